@@ -1,0 +1,1 @@
+"""The `attnx` command line (Typer). Entry point: ``attnx.cli.main:main``."""

@@ -1,0 +1,84 @@
+"""Shared CLI plumbing: the working folder, "most recent export", one-line errors.
+
+Every command wraps its body in :func:`guarded` so a user error is one line on
+stderr and a non-zero exit; ``attnx --verbose ...`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable)
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line, exit code ``code``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+class _State:
+    verbose: bool = False
+
+
+state = _State()
+
+
+def workdir() -> Path:
+    """The working folder for outputs: ``$ATTNX_WORKDIR`` or ``./attnx-out``."""
+    return Path(os.environ.get("ATTNX_WORKDIR", "attnx-out"))
+
+
+def latest(pattern: str, what: str, folder: Path | None = None) -> Path:
+    """The most recently modified file matching ``pattern`` in the working folder."""
+    folder = folder or workdir()
+    found = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if not found:
+        raise UserError(f"no {what} found in {folder}/ (pass a file, or run the step that makes it first)")
+    path = found[-1]
+    err_console.print(f"[dim]using the most recent {what}: {path}[/dim]")
+    return path
+
+
+def latest_export(folder: Path | None = None) -> Path:
+    return latest("*.onnx", "ONNX export", folder)
+
+
+def guarded(fn: F) -> F:
+    """Turn exceptions into one-line messages and exit codes (tracebacks with --verbose)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130)
+        except UserError as e:
+            if state.verbose:
+                traceback.print_exc()
+            err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+            raise typer.Exit(e.code)
+        except (ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError, OSError) as e:
+            if state.verbose:
+                traceback.print_exc()
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            err_console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {msg}", highlight=False)
+            raise typer.Exit(1)
+
+    return wrapper  # type: ignore[return-value]
