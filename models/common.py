@@ -1,0 +1,335 @@
+"""Pieces every variant shares: configs, input checks, masking, heads, hooks, the FFN.
+
+Conventions (variants.md): hidden states ``x`` are ``[B, L, d_model]``; heads are
+``[B, H, L, Dh]``; ``attention_mask`` is ``[B, L]`` with 1 = token, 0 = padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class AttentionConfig:
+    """Options shared by every variant's attention."""
+
+    d_model: int = 256
+    n_heads: int = 4
+    dropout: float = 0.0  # on the attention pattern, training only
+    is_causal: bool = False  # decoder use: key j > query i is masked
+    qkv_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_model <= 0 or self.n_heads <= 0:
+            raise ValueError(f"d_model and n_heads must be positive, got {self.d_model} and {self.n_heads}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+# --------------------------------------------------------------------------- input specs and checks
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """A model input: dims are ints or the dynamic names "batch" / "seq"."""
+
+    name: str
+    shape: tuple
+    dtype: str  # "float" (float32/float16/bfloat16), "int64", or "int" (int64/int32/bool)
+    role: str  # hidden_states | attention_mask | context
+    doc: str = ""
+    broadcast_batch: bool = False  # may be given without the batch dim (shared by the batch)
+
+    def describe(self) -> str:
+        return f"{self.name} [{', '.join(map(str, self.shape))}] {self.dtype}"
+
+
+_DTYPES = {
+    "float": (torch.float32, torch.float16, torch.bfloat16, torch.float64),
+    "int64": (torch.int64, torch.int32),
+    "mask": (torch.int64, torch.int32, torch.bool),
+}
+
+
+def check_tensor(spec: InputSpec, value, dims: dict[str, int]) -> None:
+    """Raise ValueError naming the input, the expected shape and the given one.
+
+    ``dims`` binds "batch"/"seq" on first sight, so later inputs must agree with the first.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{spec.name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in _DTYPES[spec.dtype]:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in _DTYPES[spec.dtype])
+        raise ValueError(f"{spec.name}: expected dtype {allowed}; got {str(value.dtype).replace('torch.', '')}")
+    expected = [dims.get(d, d) if isinstance(d, str) else d for d in spec.shape]
+    shown = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) and d in dims else str(d) for d in spec.shape) + "]"
+    if value.dim() != len(spec.shape):
+        raise ValueError(f"{spec.name}: expected shape {shown}, got {list(value.shape)} (rank {value.dim()})")
+    for want, got in zip(expected, value.shape):
+        if isinstance(want, int) and want != got:
+            raise ValueError(f"{spec.name}: expected shape {shown}, got {list(value.shape)}")
+    for d, got in zip(spec.shape, value.shape):
+        if isinstance(d, str):
+            dims.setdefault(d, int(got))
+
+
+def check_inputs(specs: Sequence[InputSpec], values: dict, *, optional: Sequence[str] = ()) -> dict[str, int]:
+    """Check every named input against its spec; unknown or missing names are errors.
+
+    An input whose spec is marked ``broadcast_batch`` may also come without its batch dim.
+    """
+    known = {s.name for s in specs}
+    extra = sorted(set(values) - known)
+    if extra:
+        raise ValueError(f"unexpected input(s) {', '.join(extra)}; this model takes: "
+                         + ", ".join(s.describe() for s in specs))
+    dims: dict[str, int] = {}
+    for spec in specs:
+        if values.get(spec.name) is None:
+            if spec.name in optional:
+                continue
+            raise ValueError(f"missing input {spec.describe()}")
+        value = values[spec.name]
+        if spec.broadcast_batch and isinstance(value, torch.Tensor) and value.dim() == len(spec.shape) - 1:
+            spec = dataclasses.replace(spec, shape=spec.shape[1:])
+        check_tensor(spec, value, dims)
+    return dims
+
+
+# --------------------------------------------------------------------------- masking
+
+
+def mask_bias(attention_mask: torch.Tensor | None, lq: int, lk: int, dtype: torch.dtype,
+              is_causal: bool, device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Additive key bias ``[B|1, 1, Lq, Lk]`` (0 or dtype-min) and row validity ``[B|1, 1, Lq, 1]``.
+
+    The finite minimum (not -inf) keeps fully masked rows NaN-free in forward and
+    backward; their pattern is then zeroed with the row validity, so padded keys
+    get exactly zero weight (exp underflows) and empty rows give zeros.
+    Returns (None, None) when nothing is masked.
+    """
+    if attention_mask is None and not is_causal:
+        return None, None
+    allowed = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=device)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, None, :]  # [B, 1, Lq, Lk]
+    if is_causal:
+        allowed = allowed & torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    row_valid = allowed.any(dim=-1, keepdim=True)  # [B, 1, Lq, 1]
+    return bias, row_valid
+
+
+def masked_softmax(scores: torch.Tensor, bias: torch.Tensor | None, row_valid: torch.Tensor | None) -> torch.Tensor:
+    """softmax over keys with padded keys at exactly 0 and fully masked rows at 0."""
+    if bias is None:
+        return scores.softmax(dim=-1)
+    pattern = (scores + bias).softmax(dim=-1)
+    return pattern * row_valid.to(pattern.dtype)
+
+
+def masked_mean(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over real tokens: ``[B, L, D] -> [B, D]`` (zeros for an all-padding example)."""
+    if attention_mask is None:
+        return x.mean(dim=1)
+    w = attention_mask.to(x.dtype)[..., None]  # [B, L, 1]
+    return (x * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
+
+
+# --------------------------------------------------------------------------- heads
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``[B, L, H*Dh] -> [B, H, L, Dh]``."""
+    b, l, d = x.shape
+    return x.view(b, l, n_heads, d // n_heads).transpose(1, 2)
+
+
+def merge_heads(z: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, Dh] -> [B, L, H*Dh]``."""
+    b, h, l, dh = z.shape
+    return z.transpose(1, 2).reshape(b, l, h * dh)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+class HookPoint(nn.Module):
+    """An identity a user can observe or replace (TransformerLens-style).
+
+    A hook is ``fn(tensor, hook) -> tensor | None``; returning a tensor replaces
+    the activation. The module's qualified name (``blocks.0.attn.hook_pattern``)
+    is the hook's name.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str = ""
+        self._fns: list[Callable] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._fns)
+
+    def add(self, fn: Callable) -> None:
+        self._fns.append(fn)
+
+    def clear(self) -> None:
+        self._fns.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fn in self._fns:
+            out = fn(x, self)
+            if out is not None:
+                if out.shape != x.shape:
+                    raise ValueError(f"hook on {self.name} returned shape {list(out.shape)}, expected {list(x.shape)}")
+                x = out
+        return x
+
+
+# --------------------------------------------------------------------------- attention base
+
+
+class AttentionBase(nn.Module):
+    """Q/K/V/O projections, hook points and the masked attention every variant builds on.
+
+    Hook points (per layer i, under ``blocks.{i}.attn.``): ``hook_q|hook_k|hook_v``
+    ``[B, L, H, Dh]``, ``hook_attn_scores|hook_pattern`` ``[B, H, Lq, Lk]``,
+    ``hook_z`` ``[B, L, H, Dh]``.
+    """
+
+    #: context inputs this variant's forward takes (name -> InputSpec factory args)
+    context_names: tuple[str, ...] = ()
+
+    def __init__(self, config: AttentionConfig):
+        super().__init__()
+        self.config = config
+        d, h = config.d_model, config.n_heads
+        self.n_heads, self.head_dim = h, config.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.W_Q = nn.Linear(d, d, bias=config.qkv_bias)
+        self.W_K = nn.Linear(d, d, bias=config.qkv_bias)
+        self.W_V = nn.Linear(d, d, bias=config.qkv_bias)
+        self.W_O = nn.Linear(d, d)
+        self.dropout = nn.Dropout(config.dropout)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
+
+    # Per-head weights as views [H, d_model, Dh] (query_weights[h] maps x to head h's q).
+    def _per_head(self, linear: nn.Linear) -> torch.Tensor:
+        return linear.weight.T.view(self.config.d_model, self.n_heads, self.head_dim).permute(1, 0, 2)
+
+    @property
+    def query_weights(self) -> torch.Tensor:
+        return self._per_head(self.W_Q)
+
+    @property
+    def key_weights(self) -> torch.Tensor:
+        return self._per_head(self.W_K)
+
+    @property
+    def value_weights(self) -> torch.Tensor:
+        return self._per_head(self.W_V)
+
+    @property
+    def output_weights(self) -> torch.Tensor:
+        """``[H, Dh, d_model]``: head h's slice of W_O."""
+        return self.W_O.weight.T.view(self.n_heads, self.head_dim, self.config.d_model)
+
+    def context_specs(self) -> list[InputSpec]:
+        return []
+
+    def validate(self, x, attention_mask, **context) -> None:
+        """ValueError naming the input when a shape or dtype is wrong (skipped while exporting)."""
+        if torch.compiler.is_exporting():
+            return
+        specs = [InputSpec("x", ("batch", "seq", self.config.d_model), "float", "hidden_states"),
+                 InputSpec("attention_mask", ("batch", "seq"), "mask", "attention_mask"), *self.context_specs()]
+        check_inputs(specs, {"x": x, "attention_mask": attention_mask, **context}, optional=("attention_mask",))
+
+    @property
+    def pattern_hooked(self) -> bool:
+        """True when a user observes scores/pattern, so the explicit (non-fused) path must run."""
+        return self.hook_attn_scores.active or self.hook_pattern.active
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x ``[B, L, D]`` -> q, k, v ``[B, H, L, Dh]`` (through the hook points)."""
+        h = self.n_heads
+        q = self.hook_q(split_heads(self.W_Q(x), h).transpose(1, 2)).transpose(1, 2)
+        k = self.hook_k(split_heads(self.W_K(x), h).transpose(1, 2)).transpose(1, 2)
+        v = self.hook_v(split_heads(self.W_V(x), h).transpose(1, 2)).transpose(1, 2)
+        return q, k, v
+
+    def mask(self, attention_mask, lq: int, lk: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return mask_bias(attention_mask, lq, lk, dtype, self.config.is_causal,
+                         device=None if attention_mask is None else attention_mask.device)
+
+    def attend(self, scores: torch.Tensor, v: torch.Tensor, bias, row_valid) -> torch.Tensor:
+        """Explicit path: scores ``[B, H, Lq, Lk]`` -> z ``[B, H, Lq, Dh]``."""
+        scores = self.hook_attn_scores(scores)
+        pattern = self.hook_pattern(masked_softmax(scores, bias, row_valid))
+        return self.dropout(pattern) @ v
+
+    def attend_fused(self, q, k, v, bias, row_valid, *, extra_bias=None, scale=None) -> torch.Tensor:
+        """Fused path (one ONNX ``Attention`` node): softmax(q k^T * scale + bias + extra_bias) v."""
+        attn_mask = bias if extra_bias is None else (extra_bias if bias is None else bias + extra_bias)
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale if scale is None else scale,
+                                           dropout_p=self.config.dropout if self.training else 0.0)
+        return z if row_valid is None else z * row_valid.to(z.dtype)
+
+    def output(self, z: torch.Tensor, head_mask: torch.Tensor | None) -> torch.Tensor:
+        """z ``[B, H, L, Dh]`` -> ``[B, L, D]``: hook_z, per-head mask, then W_O."""
+        z = self.hook_z(z.transpose(1, 2))  # [B, L, H, Dh]
+        if head_mask is not None:
+            hm = head_mask.to(z.dtype)
+            if hm.dim() == 1:  # [H]
+                hm = hm[None, None, :, None]
+            elif hm.dim() == 2:  # [B, H]
+                hm = hm[:, None, :, None]
+            else:
+                raise ValueError(f"head_mask: expected shape [H={self.n_heads}] or [B, H], got {list(head_mask.shape)}")
+            if hm.shape[2] != self.n_heads:
+                raise ValueError(f"head_mask: expected {self.n_heads} heads, got shape {list(head_mask.shape)}")
+            z = z * hm
+        b, l = z.shape[:2]
+        return self.W_O(z.reshape(b, l, -1))
+
+
+# --------------------------------------------------------------------------- FFN
+
+
+class FeedForward(nn.Module):
+    """Linear -> GELU -> Linear, ``mult`` x wide."""
+
+    def __init__(self, d_model: int, mult: int = 4, activation: str = "gelu"):
+        super().__init__()
+        check_choice("activation", activation, ("gelu", "gelu_tanh"))
+        self.fc_in = nn.Linear(d_model, mult * d_model)
+        self.fc_out = nn.Linear(mult * d_model, d_model)
+        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))

@@ -1,0 +1,66 @@
+"""PyTorch custom ops mirroring the ONNX ``attnx`` ops (export/ops.py).
+
+The reference modules call these, so ``torch.export`` sees one node per op and the
+exporter can translate it to ``attnx::MawDepthSelect`` / ``attnx::TtaDistance``
+(plugin lowering) or to standard ONNX ops (rewrite lowering). The eager
+implementations here *are* the reference definitions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Bound the naive distance's [chunk, Lk, Dh] temporary (elements) so the reference runs at long L.
+_TTA_CHUNK_ELEMENTS = 1 << 25
+
+
+@torch.library.custom_op("attnx::maw_depth_select", mutates_args=())
+def maw_depth_select(q_depth: Tensor, k_depth: Tensor, policy_logits: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Selected-depth logits ``[B, H, Lq, Lk]`` and the depth ``[B]`` (argmax, first on ties).
+
+    Reads only the chosen slice: ``logits = scale * q_depth[..., t] k_depth[..., t]^T``.
+    """
+    depth = policy_logits.argmax(dim=-1)  # [B]
+    idx = depth[:, None, None, None]
+    q_sel = q_depth.gather(-1, idx.expand(*q_depth.shape[:3], 1))  # [B, H, Lq, 1]
+    k_sel = k_depth.gather(-1, idx.expand(*k_depth.shape[:3], 1))  # [B, H, Lk, 1]
+    return (q_sel * scale) @ k_sel.transpose(-1, -2), depth
+
+
+@maw_depth_select.register_fake
+def _(q_depth, k_depth, policy_logits, scale):
+    b, h, lq, _ = q_depth.shape
+    return q_depth.new_empty(b, h, lq, k_depth.shape[2]), policy_logits.new_empty(b, dtype=torch.int64)
+
+
+@torch.library.custom_op("attnx::tta_distance", mutates_args=())
+def tta_distance(q: Tensor, k: Tensor, trace: Tensor) -> Tensor:
+    """``dist[b,h,i,j] = (q_i - k_j)^T T (q_i - k_j)``; trace ``[B, 1|H, Dh, Dh]``.
+
+    The literal formula (the reference): it forms ``q_i - k_j``, chunked over
+    query rows so memory stays bounded; fast paths use the expansion instead.
+    """
+    b, h, lq, dh = q.shape
+    lk = k.shape[2]
+    trace = trace.expand(b, h, dh, dh)
+    rows = max(1, _TTA_CHUNK_ELEMENTS // max(1, b * h * lk * dh))
+    out = []
+    for start in range(0, lq, rows):
+        diff = q[:, :, start:start + rows, None, :] - k[:, :, None, :, :]  # [B, H, r, Lk, Dh]
+        t_diff = torch.einsum("bhrkd,bhed->bhrke", diff, trace)  # T (q - k)
+        out.append((diff * t_diff).sum(-1))  # [B, H, r, Lk]
+    return torch.cat(out, dim=2)
+
+
+@tta_distance.register_fake
+def _(q, k, trace):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def tta_distance_expanded(q: Tensor, k: Tensor, trace: Tensor) -> Tensor:
+    """The same distance via ``q^T T q + k^T T k - q^T (T + T^T) k``: O(L Dh) extra memory."""
+    qq = ((q @ trace) * q).sum(-1, keepdim=True)  # [B, H, Lq, 1]
+    kk = ((k @ trace) * k).sum(-1)[:, :, None, :]  # [B, H, 1, Lk]
+    cross = q @ (k @ (trace + trace.transpose(-1, -2))).transpose(-1, -2)  # [B, H, Lq, Lk]
+    return qq + kk - cross

@@ -1,0 +1,41 @@
+"""``mha``: multi-head attention with interpretability hooks (seed 002).
+
+    Q = x W_Q + b_Q,  K = x W_K + b_K,  V = x W_V + b_V        # [B, H, L, Dh]
+    A = softmax(Q K^T / sqrt(Dh) + mask)                         # [B, H, Lq, Lk]
+    z = A V;  out = concat_h(head_mask_h * z_h) W_O + b_O
+
+With no hook observing the scores or the pattern, the fused
+``scaled_dot_product_attention`` path runs (one ONNX ``Attention`` node on
+export); with one, the explicit path runs and feeds ``hook_attn_scores`` and
+``hook_pattern``. Both compute the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnx.models.common import AttentionBase, AttentionConfig
+
+
+@dataclass
+class MhaConfig(AttentionConfig):
+    """Plain multi-head attention: only the shared options."""
+
+
+class MultiHeadAttention(AttentionBase):
+    def __init__(self, config: MhaConfig):
+        super().__init__(config)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                head_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.validate(x, attention_mask)
+        b, l, _ = x.shape
+        q, k, v = self.project(x)  # [B, H, L, Dh]
+        bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
+        if self.pattern_hooked:
+            z = self.attend(q @ k.transpose(-1, -2) * self.scale, v, bias, row_valid)
+        else:
+            z = self.attend_fused(q, k, v, bias, row_valid)
+        return self.output(z, head_mask)

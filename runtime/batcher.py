@@ -1,0 +1,421 @@
+"""Dynamic batching: many concurrent requests -> one padded, masked batch -> each caller's own result.
+
+Triton's dynamic batcher only groups requests whose shapes already match; ours
+pads. Requests of different sequence lengths are padded to the longest one in
+the batch (the ``attention_mask`` with 0 = padding, every other ``seq`` input
+with 0), concatenated along ``batch``, run once, and the outputs are split back
+by rows and sliced back to each request's own length. Because padded keys are
+masked, a request's result equals running it alone (up to float summation order).
+
+Rules, all derived from the model's own dims (dim_param ``batch`` / ``seq``):
+
+- Requests batch together only when every non-batch, non-seq dim matches
+  (their "batch key"). Inputs with a ``seq`` axis are padded only when the model
+  has a mask input; without one, requests also need equal lengths.
+- If any input or output lacks a ``batch`` axis, requests never share a run.
+- ``max_batch_size`` counts rows: a request may carry several rows itself,
+  but never more than ``max_batch_size``.
+- Queue limit: ``submit`` refuses at once (:class:`QueueFullError`) when
+  ``max_queue_size`` requests are waiting; nothing queues forever.
+- Per-request timeout: a request still waiting at its deadline fails with
+  :class:`RequestTimeoutError`; once in a running batch it completes.
+- A request may omit ``attention_mask``: all ones for its length.
+
+One worker thread per batcher pulls from the queue, so the model runs one batch
+at a time and callers (threads or an asyncio loop) never block on compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+from attnx.runtime.session import ROLE_MASK, InputError, Session, TensorSpec
+
+
+class QueueFullError(RuntimeError):
+    """The queue already holds ``max_queue_size`` requests (HTTP 503)."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """The request waited past its deadline before a batch took it (HTTP 503)."""
+
+
+class BatcherClosedError(RuntimeError):
+    """The batcher is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass
+class BatcherConfig:
+    """Batching limits. ``timeout_ms=None`` waits as long as it takes."""
+
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 2.0
+    max_queue_size: int = 1024
+    timeout_ms: float | None = 30_000.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.max_queue_delay_ms < 0:
+            raise ValueError("max_queue_delay_ms must be >= 0")
+        if self.max_queue_size < 1:
+            raise ValueError("max_queue_size must be >= 1")
+        if self.timeout_ms is not None and self.timeout_ms <= 0:
+            raise ValueError("timeout_ms must be > 0 (or None)")
+
+
+class BatchObserver(Protocol):
+    """Receives one call per batch run (the metrics implement it)."""
+
+    def on_batch(self, rows: int, requests: int, queue_seconds: list[float], compute_seconds: float) -> None: ...
+
+
+# --------------------------------------------------------------------------------------
+# Layout: how to merge requests into one batch and split the outputs back
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """One request's feeds, checked, with what the batcher needs to place it."""
+
+    feeds: dict[str, np.ndarray]
+    rows: int
+    length: int | None
+    key: tuple
+
+
+class BatchLayout:
+    """Where the batch and seq axes are for every input and output of a session."""
+
+    def __init__(self, inputs: list[TensorSpec], outputs: list[TensorSpec]):
+        self.inputs = inputs
+        self.outputs = outputs
+        self.mask = next((s for s in inputs if s.role == ROLE_MASK), None)
+        # Batching is only safe when every tensor has a batch axis to split along.
+        self.can_batch = all(s.batch_axis is not None for s in inputs + outputs)
+        # Padding is only safe when padded positions can be masked out.
+        self.can_pad = self.mask is not None and self.mask.seq_axis is not None
+
+    @classmethod
+    def of(cls, session: Session) -> "BatchLayout":
+        return cls(session.inputs, session.outputs)
+
+    def prepare(self, feeds: dict[str, np.ndarray]) -> Prepared:
+        """Rows, length and batch key of already-checked feeds."""
+        rows = length = None
+        key: list[Any] = []
+        for spec in self.inputs:
+            arr = feeds[spec.name]
+            b, s = spec.batch_axis, spec.seq_axis
+            if b is not None:
+                rows = arr.shape[b] if rows is None else rows
+            if s is not None:
+                length = arr.shape[s] if length is None else length
+            other = tuple(d for axis, d in enumerate(arr.shape) if axis not in (b, s))
+            key.append((spec.name, other))
+        if rows is None:
+            rows = 1
+        if rows < 1:
+            raise InputError("a request needs at least one row (batch >= 1)")
+        if length is not None and length < 1:
+            raise InputError("a request needs at least one token (seq >= 1)")
+        if not self.can_pad:
+            key.append(("seq", length))
+        return Prepared(feeds, rows, length, tuple(key))
+
+    def merge(self, items: list[Prepared]) -> tuple[dict[str, np.ndarray], int | None]:
+        """Pad every request to the longest length and concatenate along batch."""
+        if len(items) == 1:
+            return items[0].feeds, items[0].length
+        lengths = [p.length for p in items if p.length is not None]
+        longest = max(lengths) if lengths else None
+        total = sum(p.rows for p in items)
+        merged: dict[str, np.ndarray] = {}
+        for spec in self.inputs:
+            first = items[0].feeds[spec.name]
+            b, s = spec.batch_axis, spec.seq_axis
+            shape = list(first.shape)
+            shape[b] = total  # type: ignore[index]
+            if s is not None:
+                shape[s] = longest  # type: ignore[index]
+            # Zeros are the padding: mask 0 = "not a token", and any other seq input's
+            # padded positions only ever meet masked keys or discarded query rows.
+            out = np.zeros(shape, dtype=first.dtype)
+            offset = 0
+            for p in items:
+                arr = p.feeds[spec.name]
+                index: list[slice] = [slice(None)] * arr.ndim
+                index[b] = slice(offset, offset + p.rows)  # type: ignore[index]
+                if s is not None:
+                    index[s] = slice(0, arr.shape[s])
+                out[tuple(index)] = arr
+                offset += p.rows
+            merged[spec.name] = out
+        return merged, longest
+
+    def split(self, outputs: dict[str, np.ndarray], items: list[Prepared]) -> list[dict[str, np.ndarray]]:
+        """Each request's rows back, each seq axis cut back to the request's own length."""
+        if len(items) == 1:
+            return [outputs]
+        results: list[dict[str, np.ndarray]] = [{} for _ in items]
+        specs = {s.name: s for s in self.outputs}
+        for name, arr in outputs.items():
+            spec = specs[name]
+            b, s = spec.batch_axis, spec.seq_axis
+            offset = 0
+            for i, p in enumerate(items):
+                index: list[slice] = [slice(None)] * arr.ndim
+                index[b] = slice(offset, offset + p.rows)  # type: ignore[index]
+                if s is not None and p.length is not None:
+                    index[s] = slice(0, p.length)
+                # A copy, so a caller holding its result does not pin the whole batch.
+                results[i][name] = np.ascontiguousarray(arr[tuple(index)])
+                offset += p.rows
+        return results
+
+
+# --------------------------------------------------------------------------------------
+# The batcher
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Request:
+    prepared: Prepared
+    future: concurrent.futures.Future
+    output_names: list[str] | None
+    enqueued: float
+    deadline: float | None
+
+
+@dataclass
+class BatcherStats:
+    """Running totals (cheap to read; the Prometheus metrics have the distributions)."""
+
+    requests: int = 0
+    batches: int = 0
+    rows: int = 0
+    rejected_full: int = 0
+    timed_out: int = 0
+    failed: int = 0
+    largest_batch: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mean_batch_rows(self) -> float:
+        return self.rows / self.batches if self.batches else 0.0
+
+
+class DynamicBatcher:
+    """Collects concurrent requests for one session into padded batches, runs them on a worker thread.
+
+    >>> batcher = DynamicBatcher(session, BatcherConfig(max_batch_size=32, max_queue_delay_ms=2))
+    >>> outputs = batcher.infer({"hidden_states": x})           # blocking, from any thread
+    >>> outputs = await batcher.infer_async({"hidden_states": x})  # from an event loop
+    >>> batcher.close()                                          # drains what is queued
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        config: BatcherConfig | None = None,
+        *,
+        observer: BatchObserver | None = None,
+        name: str | None = None,
+    ):
+        self.session = session
+        self.config = config or BatcherConfig()
+        self.observer = observer
+        self.name = name or session.path.stem
+        self.layout = BatchLayout.of(session)
+        self.stats = BatcherStats()
+        self._waiting: deque[_Request] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name=f"attnx-batcher-{self.name}", daemon=True)
+        self._worker.start()
+
+    # --- callers -------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def submit(
+        self,
+        feeds: Mapping[str, Any],
+        *,
+        output_names: list[str] | None = None,
+        timeout_ms: float | None = None,
+    ) -> concurrent.futures.Future:
+        """Queue one request; returns a future of its outputs.
+
+        Raises :class:`InputError` (bad feeds), :class:`QueueFullError` (queue at its
+        limit: refused now, not queued) or :class:`BatcherClosedError`.
+        ``timeout_ms`` can only shorten the configured timeout.
+        """
+        checked = self.session.check_feeds(feeds)
+        prepared = self.layout.prepare(checked)
+        if prepared.rows > self.config.max_batch_size:
+            raise InputError(
+                f"request has {prepared.rows} rows, more than the max batch size {self.config.max_batch_size}"
+            )
+        if output_names is not None:
+            unknown = [n for n in output_names if n not in self.session.output_names]
+            if unknown:
+                raise InputError(f"unknown output(s) {unknown}; the model gives {self.session.output_names}")
+        now = time.perf_counter()
+        limits = [t for t in (self.config.timeout_ms, timeout_ms) if t is not None]
+        deadline = now + min(limits) / 1000.0 if limits else None
+        request = _Request(prepared, concurrent.futures.Future(), output_names, now, deadline)
+        with self._cond:
+            if self._closed:
+                raise BatcherClosedError(f"model {self.name!r} is shutting down")
+            if len(self._waiting) >= self.config.max_queue_size:
+                self.stats.rejected_full += 1
+                raise QueueFullError(
+                    f"model {self.name!r}: queue full ({self.config.max_queue_size} requests waiting)"
+                )
+            self._waiting.append(request)
+            self.stats.requests += 1
+            self._cond.notify()
+        return request.future
+
+    def infer(self, feeds: Mapping[str, Any], **kwargs: Any) -> dict[str, np.ndarray]:
+        """Submit and wait (blocking)."""
+        return self.submit(feeds, **kwargs).result()
+
+    async def infer_async(self, feeds: Mapping[str, Any], **kwargs: Any) -> dict[str, np.ndarray]:
+        """Submit and await without blocking the event loop."""
+        return await asyncio.wrap_future(self.submit(feeds, **kwargs))
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop taking requests; with ``drain`` finish the queued ones, else fail them."""
+        with self._cond:
+            self._closed = True
+            if not drain:
+                while self._waiting:
+                    req = self._waiting.popleft()
+                    if req.future.set_running_or_notify_cancel():
+                        req.future.set_exception(BatcherClosedError(f"model {self.name!r} shut down"))
+            self._cond.notify_all()
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "DynamicBatcher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- worker --------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            if batch:
+                self._run(batch)
+
+    def _next_batch(self) -> list[_Request] | None:
+        """Wait for requests, then take the oldest and what fits with it (None = shut down)."""
+        cfg = self.config
+        with self._cond:
+            while not self._waiting:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            oldest = self._waiting[0]
+            # The delay window counts from the oldest request's arrival: a request that
+            # already waited behind a running batch is not made to wait again.
+            window_end = oldest.enqueued + cfg.max_queue_delay_ms / 1000.0
+            if self.layout.can_batch:
+                while not self._closed:
+                    if self._compatible_rows(oldest) >= cfg.max_batch_size:
+                        break
+                    remaining = window_end - time.perf_counter()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            return self._take(oldest)
+
+    def _compatible_rows(self, oldest: _Request) -> int:
+        key = oldest.prepared.key
+        return sum(r.prepared.rows for r in self._waiting if r.prepared.key == key)
+
+    def _take(self, oldest: _Request) -> list[_Request]:
+        """Remove and return the batch: the oldest request plus compatible ones, oldest first."""
+        now = time.perf_counter()
+        key = oldest.prepared.key
+        # Without a batch axis everywhere, each request runs alone (whatever its rows).
+        limit = self.config.max_batch_size if self.layout.can_batch else float("inf")
+        taken: list[_Request] = []
+        rows = 0
+        kept: deque[_Request] = deque()
+        for req in self._waiting:
+            if req.deadline is not None and now > req.deadline:
+                self.stats.timed_out += 1
+                if req.future.set_running_or_notify_cancel():
+                    waited = (now - req.enqueued) * 1000
+                    req.future.set_exception(
+                        RequestTimeoutError(f"model {self.name!r}: request timed out after {waited:.0f} ms in queue")
+                    )
+                continue
+            fits = req.prepared.key == key and rows + req.prepared.rows <= limit
+            if fits and (self.layout.can_batch or not taken):
+                if req.future.set_running_or_notify_cancel():  # False: the caller gave up (cancelled)
+                    taken.append(req)
+                    rows += req.prepared.rows
+                continue
+            kept.append(req)
+        self._waiting = kept
+        return taken
+
+    def _run(self, batch: list[_Request]) -> None:
+        start = time.perf_counter()
+        items = [r.prepared for r in batch]
+        try:
+            feeds, _ = self.layout.merge(items)
+            wanted = self._wanted_outputs(batch)
+            outputs = self.session._run(feeds, wanted)
+            results = self.layout.split(outputs, items)
+        except BaseException as e:  # noqa: BLE001 - every caller must hear about it, the worker must live
+            self.stats.failed += len(batch)
+            for req in batch:
+                req.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+            if not isinstance(e, Exception):
+                raise
+            return
+        compute = time.perf_counter() - start
+        rows = sum(p.rows for p in items)
+        self.stats.batches += 1
+        self.stats.rows += rows
+        self.stats.largest_batch = max(self.stats.largest_batch, rows)
+        self.stats.batch_sizes[rows] = self.stats.batch_sizes.get(rows, 0) + 1
+        for req, result in zip(batch, results):
+            if req.output_names is not None:
+                result = {n: result[n] for n in req.output_names}
+            req.future.set_result(result)
+        if self.observer is not None:
+            try:
+                self.observer.on_batch(rows, len(batch), [start - r.enqueued for r in batch], compute)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                pass
+
+    def _wanted_outputs(self, batch: list[_Request]) -> list[str]:
+        if any(r.output_names is None for r in batch):
+            return self.session.output_names
+        wanted = {n for r in batch for n in r.output_names or []}
+        return [n for n in self.session.output_names if n in wanted]
