@@ -1,7 +1,210 @@
-"""Work in progress: this command group is being written (see the open issues)."""
+"""`attnx serve`, `attnx bench`, `attnx triton-repo`: serving an exported model.
+
+Heavy modules (onnxruntime, FastAPI, uvicorn, tritonclient) are imported inside
+the command bodies so `attnx --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
+from attnx.cli._common import UserError, console, err_console, guarded, latest_export, workdir
+
+
+def _seq_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise UserError(f"--seq takes comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"--seq needs positive lengths, got {text!r}")
+    return values
+
+
+def _model_files(models: list[str] | None) -> dict[str, Path]:
+    from attnx.runtime.server import parse_model_args
+
+    if not models:
+        path = latest_export()
+        return {path.stem: path}
+    named = parse_model_args(models)
+    out: dict[str, Path] = {}
+    for name, path in named:
+        if not path.is_file():
+            raise UserError(f"no model file at {path}")
+        if name in out:
+            raise UserError(f"two models named {name!r}: rename one with name=path")
+        out[name] = path
+    return out
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    @app.command("serve")
+    @guarded
+    def serve(
+        models: Optional[List[str]] = typer.Argument(
+            None, help="Model files (.onnx/.engine), each optionally as name=path. Default: the latest export."
+        ),
+        host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback by default)."),
+        port: int = typer.Option(8000, help="TCP port (0 = any free port)."),
+        max_batch: int = typer.Option(32, "--max-batch", help="Max rows per batch (1 disables batching)."),
+        max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="Max time a request waits for others."),
+        max_queue: int = typer.Option(1024, "--max-queue", help="Waiting requests per model before 503."),
+        timeout_ms: float = typer.Option(30000.0, "--timeout-ms", help="Max time a request may wait in queue."),
+        max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest request body accepted (MiB)."),
+        max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Longest seq accepted (default: profile max)."),
+        device: str = typer.Option("auto", help="ONNX Runtime device: auto, cpu or cuda."),
+        threads: Optional[int] = typer.Option(None, help="Intra-op threads per model (default: all CPUs)."),
+        log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+    ) -> None:
+        """Serve models over HTTP with the KServe v2 protocol (tritonclient works), with dynamic batching."""
+        from attnx.runtime.batcher import BatcherConfig
+        from attnx.runtime.protocol import Limits
+        from attnx.runtime.server import InferenceServer
+
+        files = _model_files(models)
+        batching = BatcherConfig(max_batch, max_delay_ms, max_queue, timeout_ms)
+        limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq)
+        server = InferenceServer(
+            files, host=host, port=port, batching=batching, limits=limits, device=device, threads=threads,
+            log_level=log_level,
+        )
+        server.bind()
+        for name, model in server.models.items():
+            err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider})")
+        err_console.print(
+            f"max batch {max_batch}, max delay {max_delay_ms} ms, queue {max_queue}; "
+            "Ctrl-C stops after in-flight requests finish"
+        )
+        # One plain line with the real address (port 0 picks one), for people and for scripts.
+        err_console.print(f"listening on {server.url}", highlight=False, soft_wrap=True)
+        server.serve()
+
+    @app.command("bench")
+    @guarded
+    def bench(
+        model: Optional[str] = typer.Argument(
+            None, help="Model file (in-process), or the model name on the server with --url. Default: latest export."
+        ),
+        url: Optional[str] = typer.Option(None, help="A running server (http://host:port); else in-process."),
+        concurrency: int = typer.Option(32, help="Concurrent clients."),
+        duration: float = typer.Option(10.0, help="Seconds of load."),
+        seq: str = typer.Option("16,64,128", help="Sequence lengths to mix (uniformly)."),
+        batch: int = typer.Option(1, help="Rows per request."),
+        max_batch: int = typer.Option(32, "--max-batch", help="In-process: max rows per batch."),
+        max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="In-process: max queue delay."),
+        max_queue: int = typer.Option(1024, "--max-queue", help="In-process: queue limit."),
+        device: str = typer.Option("auto", help="In-process: auto, cpu or cuda."),
+        threads: Optional[int] = typer.Option(None, help="In-process: intra-op threads."),
+        report: Optional[Path] = typer.Option(None, help="Also write the numbers as JSON here."),
+    ) -> None:
+        """Load-test a model: throughput and p50/p95/p99 latency at a given concurrency."""
+        import json
+
+        from attnx.runtime import bench as b
+
+        lengths = _seq_list(seq)
+        if concurrency < 1 or duration <= 0 or batch < 1:
+            raise UserError("--concurrency and --batch must be >= 1 and --duration > 0")
+        if url:
+            import tritonclient.http as httpclient
+
+            address = url.split("://", 1)[-1].rstrip("/")
+            client = httpclient.InferenceServerClient(address)
+            try:
+                if model is None:
+                    index = client.get_model_repository_index()
+                    if not index:
+                        raise UserError(f"the server at {url} lists no models")
+                    model = index[0]["name"]
+                    err_console.print(f"[dim]using model {model} from {url}[/dim]")
+                meta = client.get_model_metadata(model)
+            finally:
+                client.close()
+            specs = _specs_from_metadata(meta)
+            pool = b.request_pool(specs, lengths, batch=batch)
+            target = b.HttpTarget(url, model)
+            result = b.run_load(
+                target.factory, pool, concurrency=concurrency, duration_s=duration, label=f"{model} @ {url}"
+            )
+        else:
+            from attnx.runtime import BatcherConfig, DynamicBatcher, load
+
+            path = Path(model) if model else latest_export()
+            if not path.is_file():
+                raise UserError(f"no model file at {path}")
+            session = load(path, device=device, threads=threads)
+            pool = b.request_pool(session.inputs, lengths, batch=batch)
+            with DynamicBatcher(session, BatcherConfig(max_batch, max_delay_ms, max_queue, None)) as batcher:
+                b.run_load(lambda: batcher.infer, pool[:1], concurrency=1, duration_s=0.5)  # warm-up
+                warm = batcher.stats.batches, batcher.stats.rows
+                result = b.run_load(
+                    lambda: batcher.infer, pool, concurrency=concurrency, duration_s=duration,
+                    label=f"{path.name} in-process (max batch {max_batch})",
+                )
+                batches = batcher.stats.batches - warm[0]
+                result.mean_batch_rows = (batcher.stats.rows - warm[1]) / batches if batches else None
+        console.print(b.render([result], title=f"attnx bench: seq {lengths}, batch {batch}"))
+        if report:
+            report.write_text(json.dumps(result.summary(), indent=2))
+        if result.ok == 0:
+            raise UserError(f"no request succeeded; errors: {dict(result.errors)}", code=1)
+
+    @app.command("triton-repo")
+    @guarded
+    def triton_repo(
+        model: Optional[Path] = typer.Argument(None, help="model.onnx or model.engine. Default: the latest export."),
+        output: Optional[Path] = typer.Option(None, "-o", "--output", help="Repository folder (default: <workdir>/triton-repo)."),
+        name: Optional[str] = typer.Option(None, help="Model name in the repository (default: file stem)."),
+        max_batch: int = typer.Option(32, "--max-batch", help="max_batch_size in config.pbtxt."),
+        max_delay_us: int = typer.Option(2000, "--max-delay-us", help="dynamic_batching max_queue_delay_microseconds."),
+        max_queue: Optional[int] = typer.Option(None, "--max-queue", help="dynamic_batching queue limit."),
+        instance_kind: str = typer.Option("KIND_AUTO", "--instance-kind", help="KIND_AUTO, KIND_GPU or KIND_CPU."),
+        instances: int = typer.Option(1, help="Model instances per device."),
+        plugin: Optional[Path] = typer.Option(None, help="TensorRT plugin library to ship (default: the built one)."),
+        onnx: Optional[Path] = typer.Option(None, help="For an engine: the ONNX it was built from (I/O names)."),
+    ) -> None:
+        """Write a Triton Inference Server model repository (config.pbtxt checked with Triton's schema)."""
+        from attnx.runtime.triton_repo import write_repository
+
+        path = model or latest_export()
+        if not path.is_file():
+            raise UserError(f"no model file at {path}")
+        if instance_kind not in ("KIND_AUTO", "KIND_GPU", "KIND_CPU"):
+            raise UserError("--instance-kind must be KIND_AUTO, KIND_GPU or KIND_CPU")
+        repo = output or workdir() / "triton-repo"
+        model_dir = write_repository(
+            path, repo, name=name, max_batch_size=max_batch, max_queue_delay_us=max_delay_us,
+            max_queue_size=max_queue, instance_kind=instance_kind, instance_count=instances,
+            plugin_library=plugin, onnx_path=onnx,
+        )
+        console.print(f"wrote {model_dir}/config.pbtxt (valid for Triton's schema) and {model_dir}/1/")
+        plugins = sorted((repo / "plugins").glob("*.so*")) if (repo / "plugins").is_dir() else []
+        if plugins:
+            console.print(f"plugin library: {plugins[0]}")
+        elif path.suffix != ".onnx":
+            err_console.print("[yellow]no plugin library shipped: pass --plugin (see the repository README)[/yellow]")
+        console.print(f"start Triton with: tritonserver --model-repository={repo.resolve()}")
+
+
+def _specs_from_metadata(meta: dict):
+    """TensorSpecs from KServe model metadata (-1 dims: batch first, then seq where the rank says so)."""
+    import numpy as np
+
+    from attnx.runtime.protocol import TRITON_TO_NUMPY
+    from attnx.runtime.session import TensorSpec, _default_role
+
+    specs = []
+    for t in meta.get("inputs", []):
+        dims: list = []
+        for axis, d in enumerate(t["shape"]):
+            if d != -1:
+                dims.append(d)
+            else:
+                dims.append("batch" if axis == 0 else "seq" if "seq" not in dims else "?")
+        specs.append(TensorSpec(t["name"], np.dtype(TRITON_TO_NUMPY[t["datatype"]]), tuple(dims),
+                                _default_role(t["name"], True)))
+    return specs

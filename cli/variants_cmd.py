@@ -14,6 +14,7 @@ def register(app: typer.Typer) -> None:
     @guarded
     def variants(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
         """List the attention variants, their options (with defaults) and context inputs."""
+        from rich.markup import escape
         from rich.table import Table
 
         from attnx.models.registry import ENCODER_OPTIONS, describe_variants
@@ -32,8 +33,8 @@ def register(app: typer.Typer) -> None:
                 table.add_row(k, repr(d))
             console.print(table)
             inputs = ", ".join(f"{c['name']} [{', '.join(map(str, c['shape']))}] {c['dtype']}" for c in v["context"])
-            console.print(f"  inputs: hidden_states [batch, seq, d_model], attention_mask [batch, seq]"
-                          + (f", {inputs}" if inputs else ""))
+            console.print(escape(f"  inputs: hidden_states [batch, seq, d_model], attention_mask [batch, seq]"
+                                 + (f", {inputs}" if inputs else "")))
             console.print(f"  outputs: {', '.join(v['outputs'])}\n")
         enc = EncoderConfig()
         console.print("encoder options (every variant): "

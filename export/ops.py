@@ -131,11 +131,12 @@ def register_schemas() -> None:
 
 # --------------------------------------------------------------------------- function bodies
 
-def _opset_imports() -> list[onnx.OperatorSetIdProto]:
-    return [helper.make_opsetid("", ONNX_OPSET)]
+def _opset_imports(opset: int) -> list[onnx.OperatorSetIdProto]:
+    # The bodies use ops stable since opset 15; they import the model's own default opset.
+    return [helper.make_opsetid("", opset)]
 
 
-def maw_depth_select_function() -> onnx.FunctionProto:
+def maw_depth_select_function(opset: int = ONNX_OPSET) -> onnx.FunctionProto:
     """Body of MawDepthSelect: one-hot(argmax) weights the depth axis, rank 4 throughout."""
     scale_ref = onnx.AttributeProto()
     scale_ref.name = "value_float"
@@ -161,11 +162,11 @@ def maw_depth_select_function() -> onnx.FunctionProto:
     nodes[12].attribute.append(scale_ref)
     return helper.make_function(
         DOMAIN, MAW_DEPTH_SELECT, ["q_depth", "k_depth", "policy_logits"], ["logits", "depth"],
-        nodes, _opset_imports(), attributes=["scale", "plugin_version", "plugin_namespace"],
+        nodes, _opset_imports(opset), attributes=["scale", "plugin_version", "plugin_namespace"],
     )
 
 
-def tta_distance_function() -> onnx.FunctionProto:
+def tta_distance_function(opset: int = ONNX_OPSET) -> onnx.FunctionProto:
     """Body of TtaDistance via the expansion q^T T q + k^T T k - q^T (T + T^T) k (no [Lq, Lk, Dh] tensor)."""
     nodes = [
         helper.make_node("Cast", ["q"], ["q32"], to=TensorProto.FLOAT),
@@ -189,7 +190,7 @@ def tta_distance_function() -> onnx.FunctionProto:
         helper.make_node("CastLike", ["dist32", "q"], ["dist"]),
     ]
     return helper.make_function(
-        DOMAIN, TTA_DISTANCE, ["q", "k", "trace"], ["dist"], nodes, _opset_imports(),
+        DOMAIN, TTA_DISTANCE, ["q", "k", "trace"], ["dist"], nodes, _opset_imports(opset),
         attributes=["plugin_version", "plugin_namespace"],
     )
 
@@ -211,9 +212,10 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """Add the function bodies (and the attnx opset import) for every custom op the graph uses."""
     used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
     have = {(f.domain, f.name) for f in model.functions}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), ONNX_OPSET)
     for op in sorted(used):
         if (DOMAIN, op) not in have:
-            model.functions.append(_FUNCTIONS[op]())
+            model.functions.append(_FUNCTIONS[op](opset))
     if used and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return model

@@ -34,6 +34,26 @@ def _(q_depth, k_depth, policy_logits, scale):
     return q_depth.new_empty(b, h, lq, k_depth.shape[2]), policy_logits.new_empty(b, dtype=torch.int64)
 
 
+def _maw_depth_select_setup(ctx, inputs, output):
+    q_depth, k_depth, _, scale = inputs
+    ctx.save_for_backward(q_depth, k_depth, output[1])
+    ctx.scale = scale
+
+
+def _maw_depth_select_backward(ctx, grad_logits, _grad_depth):
+    # Gradient flows into the selected slice only; the argmax (policy logits) has none.
+    q_depth, k_depth, depth = ctx.saved_tensors
+    idx = depth[:, None, None, None]
+    q_idx, k_idx = idx.expand(*q_depth.shape[:3], 1), idx.expand(*k_depth.shape[:3], 1)
+    q_sel, k_sel = q_depth.gather(-1, q_idx), k_depth.gather(-1, k_idx)
+    grad_q = torch.zeros_like(q_depth).scatter(-1, q_idx, (grad_logits @ k_sel) * ctx.scale)
+    grad_k = torch.zeros_like(k_depth).scatter(-1, k_idx, (grad_logits.transpose(-1, -2) @ q_sel) * ctx.scale)
+    return grad_q, grad_k, None, None
+
+
+maw_depth_select.register_autograd(_maw_depth_select_backward, setup_context=_maw_depth_select_setup)
+
+
 @torch.library.custom_op("attnx::tta_distance", mutates_args=())
 def tta_distance(q: Tensor, k: Tensor, trace: Tensor) -> Tensor:
     """``dist[b,h,i,j] = (q_i - k_j)^T T (q_i - k_j)``; trace ``[B, 1|H, Dh, Dh]``.

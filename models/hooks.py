@@ -79,11 +79,15 @@ def run_with_cache(model: nn.Module, *args, names_filter: NameFilter = None, det
     """Run ``model`` and return ``(output, cache)`` of the hook points that match ``names_filter``."""
     cache = ActivationCache()
 
-    def save(x: torch.Tensor, hook: HookPoint):
-        cache[hook.name] = x.detach() if detach else x
+    # Key by the qualified name under ``model`` (what names_filter matched), not ``hook.name``:
+    # the latter is only set by Encoder and is "" on a bare attention module.
+    def saver(name: str) -> HookFn:
+        def save(x: torch.Tensor, hook: HookPoint):
+            cache[name] = x.detach() if detach else x
+        return save
 
     names = [n for n in hook_points(model) if _matches(names_filter, n)]
-    with hooks(model, [(n, save) for n in names]):
+    with hooks(model, [(n, saver(n)) for n in names]):
         out = model(*args, **kwargs)
     return out, cache
 

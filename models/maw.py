@@ -94,7 +94,7 @@ class MawAttention(AttentionBase):
 
     def depth_projections(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k ``[B, H, L, Dh]`` -> q', k' ``[B, H, L, d]``."""
-        return torch.einsum("bhld,hdt->bhlt", q, self.U_q), torch.einsum("bhld,hdt->bhlt", k, self.U_k)
+        return q @ self.U_q, k @ self.U_k  # U [H, Dh, d] broadcasts over the batch
 
     def policy_logits(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return self.policy(masked_mean(x, attention_mask))  # [B, d]

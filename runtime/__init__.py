@@ -1,0 +1,42 @@
+"""attnx runtime: load a model once, run it many times, batch concurrent requests, serve it.
+
+Public names (see docs/embedding.md for a service embedding them):
+
+- ``load(path, device="auto", threads=None)`` -> :class:`Session` (``.onnx`` on
+  ONNX Runtime, ``.engine`` through the TensorRT backend adapter); ``.inputs``,
+  ``.outputs`` (:class:`TensorSpec`), ``.run(feeds) -> outputs``; thread-safe.
+- :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching.
+- :class:`InferenceServer`: the KServe v2 HTTP server (``attnx serve``); needs the
+  ``serve`` extra (fastapi, uvicorn, prometheus-client).
+"""
+
+from attnx.runtime.batcher import (
+    BatcherClosedError,
+    BatcherConfig,
+    DynamicBatcher,
+    QueueFullError,
+    RequestTimeoutError,
+)
+from attnx.runtime.session import InputError, Session, TensorSpec, load
+
+__all__ = [
+    "load",
+    "Session",
+    "TensorSpec",
+    "InputError",
+    "DynamicBatcher",
+    "BatcherConfig",
+    "QueueFullError",
+    "RequestTimeoutError",
+    "BatcherClosedError",
+    "InferenceServer",
+]
+
+
+def __getattr__(name: str):
+    # The server pulls in FastAPI/uvicorn/prometheus: import it only when asked for.
+    if name == "InferenceServer":
+        from attnx.runtime.server import InferenceServer
+
+        return InferenceServer
+    raise AttributeError(f"module 'attnx.runtime' has no attribute {name!r}")
