@@ -26,7 +26,7 @@ def _to_fp16_array(values: np.ndarray) -> np.ndarray:
 def to_fp16(model: onnx.ModelProto, keep_fp32: frozenset[str] = FP32_OPS) -> onnx.ModelProto:
     """Return an fp16 copy of ``model`` (graph inputs/outputs included) with ``keep_fp32`` ops in fp32."""
     graph = gs.import_onnx(model)
-    fp32_nodes = [n for n in graph.nodes if n.op in keep_fp32 and n.domain in ("", "ai.onnx")]
+    fp32_nodes = [n for n in graph.nodes if n.op in keep_fp32 and n.domain in (None, "", "ai.onnx")]
     fp32_ids = {id(n) for n in fp32_nodes}
 
     # 1. Constants and Constant nodes / typed attributes -> fp16.

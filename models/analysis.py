@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -208,13 +209,31 @@ def pattern_stats(pattern: torch.Tensor, attention_mask: torch.Tensor | None = N
     out = {"entropy": row_mean(-torch.xlogy(p, p).sum(-1), q_valid)}  # [B, H, Lq] -> [H]
     for name, t in targets.items():
         k = t.sum(-1)  # [B, Lq] target keys per row
-        chance = k / n_allowed.clamp(min=1)  # [B, Lq] what a uniform row puts on the target
+        chance = k.to(p.dtype) / n_allowed.clamp(min=1).to(p.dtype)  # [B, Lq] what a uniform row puts on the target
         eligible = q_valid & (k > 0) & (chance < 1)
         mass = (p * t[:, None].to(p.dtype)).sum(-1)  # [B, H, Lq]
         lift = (mass - chance[:, None]) / (1 - chance[:, None]).clamp(min=1e-12)
         out[f"mass_{name}"] = row_mean(mass, eligible)
         out[f"score_{name}"] = row_mean(lift, eligible)
     return out
+
+
+_PATTERN_KEY = re.compile(r"(?:^|\.)blocks\.(\d+)\.attn\.hook_pattern$")
+
+
+def pattern_keys(cache: Mapping[str, object]) -> dict[int, str]:
+    """``{layer: cache key}`` of the attention patterns in a cache. Keys may be the encoder's
+    (``blocks.3.attn.hook_pattern``) or carry a prefix (``encoder.blocks.3.attn.hook_pattern``,
+    what ``hooks.run_with_cache`` gives for a model wrapping the encoder)."""
+    found: dict[int, str] = {}
+    for key in cache:
+        m = _PATTERN_KEY.search(key) if isinstance(key, str) else None
+        if m:
+            layer = int(m.group(1))
+            if layer in found:
+                raise ValueError(f"two patterns for layer {layer} in the cache: {found[layer]!r} and {key!r}")
+            found[layer] = key
+    return dict(sorted(found.items()))
 
 
 def _primary(scores: dict[str, float], min_score: float | None) -> str:
@@ -231,13 +250,13 @@ def analyze_cache(cache: Mapping[str, torch.Tensor], attention_mask: torch.Tenso
                   layers: Sequence[int] | None = None, is_causal: bool | Sequence[bool] = False,
                   window: int = 3, min_score: float | None = None) -> list[HeadBehavior]:
     """:class:`HeadBehavior` per (layer, head) from a cache holding
-    ``blocks.{i}.attn.hook_pattern`` (e.g. from ``run_with_cache``).
+    ``blocks.{i}.attn.hook_pattern`` (e.g. from ``run_with_cache``; see :func:`pattern_keys`).
 
     ``is_causal`` (one bool, or one per analysed layer) tells which keys were allowed,
     which sets the chance level; ``analyze_heads`` reads it from the model.
     """
-    available = sorted(int(k.split(".")[1]) for k in cache
-                       if k.startswith("blocks.") and k.endswith(".attn.hook_pattern"))
+    keys = pattern_keys(cache)
+    available = list(keys)
     if layers is None:
         layers = available
     if not layers:
@@ -250,7 +269,7 @@ def analyze_cache(cache: Mapping[str, torch.Tensor], attention_mask: torch.Tenso
         raise ValueError(f"is_causal has {len(causal)} entries for {len(layers)} layers")
     result = []
     for layer, c in zip(layers, causal):
-        stats = pattern_stats(cache[f"blocks.{layer}.attn.hook_pattern"], attention_mask, is_causal=c, window=window)
+        stats = pattern_stats(cache[keys[layer]], attention_mask, is_causal=c, window=window)
         for head in range(stats["entropy"].shape[0]):
             scores = {n: float(stats[f"score_{n}"][head]) for n in PATTERNS}
             result.append(HeadBehavior(layer=layer, head=head, entropy=float(stats["entropy"][head]), scores=scores,
@@ -271,7 +290,7 @@ def analyze_heads(model: nn.Module, hidden_states: torch.Tensor, attention_mask:
     """
     cache = cache_patterns(model, hidden_states, attention_mask, layers=layers, fwd_hooks=fwd_hooks, **context)
     enc = getattr(model, "encoder", model)
-    chosen = sorted(int(k.split(".")[1]) for k in cache)
+    chosen = list(pattern_keys(cache))
     causal = [bool(getattr(enc.blocks[i].attn.config, "is_causal", False)) for i in chosen]
     return analyze_cache(cache, attention_mask, layers=chosen, is_causal=causal, window=window, min_score=min_score)
 

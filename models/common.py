@@ -114,7 +114,12 @@ def check_inputs(specs: Sequence[InputSpec], values: dict, *, optional: Sequence
             raise ValueError(f"missing input {spec.describe()}")
         value = values[spec.name]
         if spec.broadcast_batch and isinstance(value, torch.Tensor) and value.dim() == len(spec.shape) - 1:
-            spec = dataclasses.replace(spec, shape=spec.shape[1:])
+            try:
+                check_tensor(dataclasses.replace(spec, shape=spec.shape[1:]), value, dims)
+            except ValueError as e:  # name the batched form too: the rank alone may be the mistake
+                batched = ", ".join(f"{d}={dims[d]}" if isinstance(d, str) and d in dims else str(d) for d in spec.shape)
+                raise ValueError(f"{e} (or the batched form [{batched}])") from None
+            continue
         check_tensor(spec, value, dims)
     return dims
 

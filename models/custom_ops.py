@@ -78,6 +78,29 @@ def _(q, k, trace):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
+def _tta_distance_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _tta_distance_backward(ctx, grad):
+    # With d_ij = q_i - k_j and S = T + T^T:  dD/dq_i = d_ij S,  dD/dk_j = -d_ij S,  dD/dT = d_ij d_ij^T.
+    # Written with row/column sums so nothing of size [Lq, Lk, Dh] is formed.
+    q, k, trace = ctx.saved_tensors
+    b, h, _, dh = q.shape
+    t_full = trace.expand(b, h, dh, dh)
+    sym = t_full + t_full.transpose(-1, -2)
+    rows, cols = grad.sum(-1, keepdim=True), grad.sum(-2)[..., None]  # [B, H, Lq, 1], [B, H, Lk, 1]
+    g_k, g_t_q = grad @ k, grad.transpose(-1, -2) @ q  # [B, H, Lq, Dh], [B, H, Lk, Dh]
+    grad_q = (rows * q - g_k) @ sym
+    grad_k = (cols * k - g_t_q) @ sym
+    grad_t = ((q * rows).transpose(-1, -2) @ q + (k * cols).transpose(-1, -2) @ k
+              - q.transpose(-1, -2) @ g_k - k.transpose(-1, -2) @ g_t_q)  # [B, H, Dh, Dh]
+    return grad_q, grad_k, grad_t.sum_to_size(trace.shape)
+
+
+tta_distance.register_autograd(_tta_distance_backward, setup_context=_tta_distance_setup)
+
+
 def tta_distance_expanded(q: Tensor, k: Tensor, trace: Tensor) -> Tensor:
     """The same distance via ``q^T T q + k^T T k - q^T (T + T^T) k``: O(L Dh) extra memory."""
     qq = ((q @ trace) * q).sum(-1, keepdim=True)  # [B, H, Lq, 1]

@@ -62,7 +62,8 @@ def maw_logits_5d(q_depth: torch.Tensor, k_depth: torch.Tensor, scale: float) ->
 
 def attention_rewards(scores: torch.Tensor, bias, row_valid, kind: str) -> torch.Tensor:
     """Reward per example ``[B]`` of attention logits ``[B, H, Lq, Lk]``: -entropy or -variance
-    of the masked rows, averaged over heads and valid query rows."""
+    of the masked rows, averaged over heads and the query rows that ``row_valid`` marks valid
+    (pass it with padded query rows cleared, as ``MawAttention`` does)."""
     p = masked_softmax(scores, bias, row_valid)
     if kind == "neg_entropy":
         per_row = (p * torch.log(p.clamp_min(1e-12))).sum(-1)  # -entropy, [B, H, Lq]
@@ -113,7 +114,9 @@ class MawAttention(AttentionBase):
             w = F.gumbel_softmax(logits_pi, tau=self.config.tau, hard=self.config.hard)  # [B, d]
             scores = ((q_depth * w[:, None, None, :]) @ k_depth.transpose(-1, -2)) * self.scale  # = sum_t w_t A5_t
             self.last_depth = w.argmax(-1)
-            self.aux_loss = self.grpo_loss(logits_pi, pooled, q_depth, k_depth, bias, row_valid)
+            # Rewards average over real query tokens only (padded query rows carry no meaning).
+            reward_rows = row_valid if attention_mask is None else row_valid & attention_mask.bool()[:, None, :, None]
+            self.aux_loss = self.grpo_loss(logits_pi, pooled, q_depth, k_depth, bias, reward_rows)
         else:
             scores, self.last_depth = maw_depth_select(q_depth, k_depth, logits_pi, self.scale)
             self.aux_loss = None

@@ -6,6 +6,8 @@
 #include "tta_distance_plugin.h"
 
 #include <cstdio>
+#include <cstring>
+#include <deque>
 #include <dlfcn.h>
 #include <mutex>
 #include <sstream>
@@ -14,42 +16,154 @@ namespace attnx
 {
 namespace plugin
 {
+
+// TensorRT-RTX's logger interface, as its Python bindings' vtables show: IVersionedInterface
+// (getAPILanguage, getInterfaceInfo, destructors), then log. Only called after
+// getInterfaceInfo() reports kind "ILogger". (Not in an anonymous namespace: GCC would see
+// that nothing implements it and devirtualize the call into __cxa_pure_virtual.)
+class RtxLogger : public nvinfer1::IVersionedInterface
+{
+public:
+    virtual void log(nvinfer1::ILogger::Severity severity, char const* msg) noexcept = 0;
+
+protected:
+    ~RtxLogger() noexcept override = default;
+};
+
 namespace
 {
+
+// How to talk to the logger of the TensorRT library that loaded us.
+enum class LoggerAbi
+{
+    kUnresolved,
+    kHeader,    // TensorRT 10.x: ILogger as in the headers we compile against (log is the first virtual).
+    kVersioned, // TensorRT-RTX 1.x: v_1_0::ILogger derives from IVersionedInterface (see RtxLogger).
+    kNone,      // unknown library: stderr only
+};
+
+using GetLoggerFn = void* (*) ();
+using GetMajorFn = int32_t (*)();
+
 std::mutex gLoggerMutex;
 nvinfer1::ILoggerFinder* gLoggerFinder{nullptr};
+GetLoggerFn gGetLogger{nullptr};
+LoggerAbi gAbi{LoggerAbi::kUnresolved};
+
+constexpr size_t kMaxKeptErrors = 64;
+std::mutex gErrorsMutex;
+std::deque<std::string> gErrors;
+
+// Which TensorRT handed us the finder: the library holding the finder's vtable. Its exported
+// C functions getInferLibMajorVersion() and getLogger() are looked up there only (never by a
+// global symbol search). TensorRT-RTX 1.7's ILoggerFinder::findLogger always returns null, so
+// getLogger() (the logger of the current builder/runtime) is the fallback. Holds gLoggerMutex.
+void resolveLoggerAbi()
+{
+    if (gAbi != LoggerAbi::kUnresolved)
+    {
+        return;
+    }
+    gAbi = LoggerAbi::kNone;
+    if (gLoggerFinder == nullptr)
+    {
+        return;
+    }
+    Dl_info info{};
+    void const* vtable = *reinterpret_cast<void const* const*>(gLoggerFinder);
+    if (dladdr(vtable, &info) == 0 || info.dli_fname == nullptr)
+    {
+        return;
+    }
+    void* handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+    if (handle == nullptr)
+    {
+        return;
+    }
+    gGetLogger = reinterpret_cast<GetLoggerFn>(dlsym(handle, "getLogger"));
+    auto const getMajor = reinterpret_cast<GetMajorFn>(dlsym(handle, "getInferLibMajorVersion"));
+    std::string const path = info.dli_fname;
+    if (path.find("tensorrt_rtx") != std::string::npos)
+    {
+        gAbi = LoggerAbi::kVersioned;
+    }
+    else if (getMajor != nullptr && getMajor() == NV_TENSORRT_MAJOR)
+    {
+        gAbi = LoggerAbi::kHeader;
+    }
+}
+
+bool logThrough(void* logger, LoggerAbi abi, nvinfer1::ILogger::Severity severity, char const* msg)
+{
+    if (logger == nullptr)
+    {
+        return false;
+    }
+    if (abi == LoggerAbi::kHeader)
+    {
+        static_cast<nvinfer1::ILogger*>(logger)->log(severity, msg);
+        return true;
+    }
+    if (abi == LoggerAbi::kVersioned)
+    {
+        auto* versioned = static_cast<RtxLogger*>(logger);
+        nvinfer1::InterfaceInfo const iface = versioned->getInterfaceInfo();
+        if (iface.kind != nullptr && std::strcmp(iface.kind, "ILogger") == 0)
+        {
+            versioned->log(severity, msg);
+            return true;
+        }
+    }
+    return false;
+}
+
+void keepError(std::string const& message)
+{
+    std::lock_guard<std::mutex> lock(gErrorsMutex);
+    if (gErrors.size() >= kMaxKeptErrors)
+    {
+        gErrors.pop_front();
+    }
+    gErrors.push_back(message);
+}
+
 } // namespace
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
     std::lock_guard<std::mutex> lock(gLoggerMutex);
     gLoggerFinder = finder;
-    std::fprintf(stderr, "DEBUG setLoggerFinder %p -> %p\n", (void*)finder, finder ? (void*)finder->findLogger() : nullptr);
-    if (finder) { void** vt = *reinterpret_cast<void***>(finder); for (int i = -2; i < 4; ++i) { Dl_info info{}; dladdr(vt[i], &info); std::fprintf(stderr, "  vt[%d]=%p %s+%lx %s\n", i, vt[i], info.dli_fname ? info.dli_fname : "?", (unsigned long)((char*)vt[i] - (char*)info.dli_fbase), info.dli_sname ? info.dli_sname : ""); } }
+    gGetLogger = nullptr;
+    gAbi = LoggerAbi::kUnresolved;
 }
 
 void log(nvinfer1::ILogger::Severity severity, std::string const& message) noexcept
 {
-    nvinfer1::ILogger* logger{nullptr};
+    bool const isError = severity <= nvinfer1::ILogger::Severity::kERROR;
+    bool logged{false};
+    try
     {
-        std::lock_guard<std::mutex> lock(gLoggerMutex);
-        if (gLoggerFinder != nullptr)
+        if (isError)
         {
-            try
+            keepError(message);
+        }
+        std::lock_guard<std::mutex> lock(gLoggerMutex);
+        resolveLoggerAbi();
+        if (gAbi != LoggerAbi::kNone)
+        {
+            void* logger = gLoggerFinder != nullptr ? static_cast<void*>(gLoggerFinder->findLogger()) : nullptr;
+            if (logger == nullptr && gGetLogger != nullptr)
             {
-                logger = gLoggerFinder->findLogger();
+                logger = gGetLogger();
             }
-            catch (...)
-            {
-                logger = nullptr;
-            }
+            logged = logThrough(logger, gAbi, severity, message.c_str());
         }
     }
-    if (logger != nullptr)
+    catch (...)
     {
-        logger->log(severity, message.c_str());
+        logged = false;
     }
-    else if (severity <= nvinfer1::ILogger::Severity::kWARNING)
+    if (!logged && severity <= nvinfer1::ILogger::Severity::kWARNING)
     {
         std::fprintf(stderr, "[attnx plugins] %s\n", message.c_str());
     }
@@ -303,6 +417,34 @@ bool readScalarField(nvinfer1::PluginField const& field, double& value) noexcept
 extern "C" ATTNX_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
 {
     attnx::plugin::setLoggerFinder(finder);
+}
+
+// The plugins' recent error messages (newest last, one per line), for callers whose TensorRT
+// logger does not show them. Returns the full length; copies at most size-1 bytes plus NUL.
+extern "C" ATTNX_PLUGIN_API size_t attnx_plugins_errors(char* buffer, size_t size)
+{
+    std::string all;
+    {
+        std::lock_guard<std::mutex> lock(attnx::plugin::gErrorsMutex);
+        for (auto const& e : attnx::plugin::gErrors)
+        {
+            all += e;
+            all += '\n';
+        }
+    }
+    if (buffer != nullptr && size > 0)
+    {
+        size_t const n = all.size() < size - 1 ? all.size() : size - 1;
+        std::memcpy(buffer, all.data(), n);
+        buffer[n] = '\0';
+    }
+    return all.size();
+}
+
+extern "C" ATTNX_PLUGIN_API void attnx_plugins_clear_errors(void)
+{
+    std::lock_guard<std::mutex> lock(attnx::plugin::gErrorsMutex);
+    attnx::plugin::gErrors.clear();
 }
 
 extern "C" ATTNX_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)

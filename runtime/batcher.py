@@ -13,6 +13,10 @@ Rules, all derived from the model's own dims (dim_param ``batch`` / ``seq``):
   (their "batch key"). Inputs with a ``seq`` axis are padded only when the model
   has a mask input; without one, requests also need equal lengths.
 - If any input or output lacks a ``batch`` axis, requests never share a run.
+- Lengths in one batch stay within ``max_length_ratio`` (longest/shortest,
+  default 1.5) because padding costs compute; ``None`` pads anything.
+  ``max_batch_tokens`` optionally caps rows x padded length.
+- The oldest waiting request is always in the next batch (no starvation).
 - ``max_batch_size`` counts rows: a request may carry several rows itself,
   but never more than ``max_batch_size``.
 - Queue limit: ``submit`` refuses at once (:class:`QueueFullError`) when
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import threading
 import time
 from collections import deque
@@ -54,12 +59,25 @@ class BatcherClosedError(RuntimeError):
 
 @dataclass
 class BatcherConfig:
-    """Batching limits. ``timeout_ms=None`` waits as long as it takes."""
+    """Batching limits. ``timeout_ms=None`` waits as long as it takes.
+
+    ``max_length_ratio``: the longest sequence in a batch is at most this many times
+    the shortest (None: pad anything to anything). Padding is paid for in compute:
+    on a CPU a batch costs about its padded tokens, so padding 16-token requests
+    to 128 costs more than batching saves; requests of very different lengths
+    therefore go in separate batches (the oldest request is always in the next batch).
+
+    ``max_batch_tokens``: cap on rows x padded length per batch (None: no cap). On a
+    CPU, long sequences are already compute-bound one at a time, and big padded
+    batches only thrash the caches; the cap keeps batching for the short ones.
+    """
 
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
     max_queue_size: int = 1024
     timeout_ms: float | None = 30_000.0
+    max_length_ratio: float | None = 1.5
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -70,6 +88,10 @@ class BatcherConfig:
             raise ValueError("max_queue_size must be >= 1")
         if self.timeout_ms is not None and self.timeout_ms <= 0:
             raise ValueError("timeout_ms must be > 0 (or None)")
+        if self.max_length_ratio is not None and self.max_length_ratio < 1:
+            raise ValueError("max_length_ratio must be >= 1 (or None)")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1 (or None)")
 
 
 class BatchObserver(Protocol):
@@ -351,20 +373,28 @@ class DynamicBatcher:
                     self._cond.wait(remaining)
             return self._take(oldest)
 
+    def _joins(self, anchor: _Request, req: _Request) -> bool:
+        """Could ``req`` share a batch with ``anchor`` (same key, lengths within the ratio)?"""
+        if req.prepared.key != anchor.prepared.key:
+            return False
+        ratio, a, b = self.config.max_length_ratio, anchor.prepared.length, req.prepared.length
+        return ratio is None or a is None or b is None or max(a, b) <= ratio * min(a, b)
+
     def _compatible_rows(self, oldest: _Request) -> int:
-        key = oldest.prepared.key
-        return sum(r.prepared.rows for r in self._waiting if r.prepared.key == key)
+        return sum(r.prepared.rows for r in self._waiting if self._joins(oldest, r))
 
     def _take(self, oldest: _Request) -> list[_Request]:
-        """Remove and return the batch: the oldest request plus compatible ones, oldest first."""
+        """Remove and return the next batch: the oldest live request plus what fits with it.
+
+        Others are chosen closest in length first (then oldest first), and kept only
+        while the batch's longest/shortest stays within ``max_length_ratio``, its
+        rows within ``max_batch_size`` and rows x longest within ``max_batch_tokens``. Expired requests fail here; cancelled ones vanish.
+        """
         now = time.perf_counter()
-        key = oldest.prepared.key
-        # Without a batch axis everywhere, each request runs alone (whatever its rows).
-        limit = self.config.max_batch_size if self.layout.can_batch else float("inf")
-        taken: list[_Request] = []
-        rows = 0
-        kept: deque[_Request] = deque()
+        alive: list[_Request] = []
         for req in self._waiting:
+            if req.future.cancelled():
+                continue
             if req.deadline is not None and now > req.deadline:
                 self.stats.timed_out += 1
                 if req.future.set_running_or_notify_cancel():
@@ -373,15 +403,38 @@ class DynamicBatcher:
                         RequestTimeoutError(f"model {self.name!r}: request timed out after {waited:.0f} ms in queue")
                     )
                 continue
-            fits = req.prepared.key == key and rows + req.prepared.rows <= limit
-            if fits and (self.layout.can_batch or not taken):
-                if req.future.set_running_or_notify_cancel():  # False: the caller gave up (cancelled)
-                    taken.append(req)
-                    rows += req.prepared.rows
-                continue
-            kept.append(req)
-        self._waiting = kept
-        return taken
+            alive.append(req)
+        if not alive:
+            self._waiting = deque()
+            return []
+        anchor = alive[0]
+        chosen = [anchor]
+        if self.layout.can_batch:
+            ratio, length = self.config.max_length_ratio, anchor.prepared.length
+            cap = self.config.max_batch_tokens
+            candidates = [r for r in alive[1:] if r.prepared.key == anchor.prepared.key]
+            if (ratio is not None or cap is not None) and length is not None:
+                candidates.sort(key=lambda r: (abs(math.log(r.prepared.length / length)), r.enqueued))
+            rows = anchor.prepared.rows
+            lo = hi = length
+            for req in candidates:
+                if rows + req.prepared.rows > self.config.max_batch_size:
+                    continue
+                if length is not None:
+                    new_lo, new_hi = min(lo, req.prepared.length), max(hi, req.prepared.length)
+                    if ratio is not None and new_hi > ratio * new_lo:
+                        continue
+                    if cap is not None and (rows + req.prepared.rows) * new_hi > cap:
+                        continue
+                    lo, hi = new_lo, new_hi
+                chosen.append(req)
+                rows += req.prepared.rows
+                if rows == self.config.max_batch_size:
+                    break
+        picked = set(map(id, chosen))
+        self._waiting = deque(r for r in alive if id(r) not in picked)
+        # False from set_running_or_notify_cancel: the caller cancelled just now; drop it.
+        return [r for r in chosen if r.future.set_running_or_notify_cancel()]
 
     def _run(self, batch: list[_Request]) -> None:
         start = time.perf_counter()

@@ -355,6 +355,7 @@ class InferenceServer:
             self.registry.add(ServedModel(name, session, batcher, limits=self.limits))
         self.app = create_app(self.registry, self.metrics, self.limits)
         self._socket: socket.socket | None = None
+        self._bound_port: int | None = None
         self._uvicorn = None
         self._thread: threading.Thread | None = None
 
@@ -386,9 +387,8 @@ class InferenceServer:
 
     @property
     def port(self) -> int:
-        if self._socket is None:
-            return self.config.port
-        return self._socket.getsockname()[1]
+        """The port it listens on (the chosen one when constructed with port 0)."""
+        return self._bound_port if self._bound_port is not None else self.config.port
 
     @property
     def address(self) -> str:
@@ -404,6 +404,7 @@ class InferenceServer:
         """Bind the listening socket now (so ``url`` knows a port 0 choice before serving)."""
         if self._socket is None:
             self._socket = self._bind()
+            self._bound_port = self._socket.getsockname()[1]
         return self
 
     def serve(self) -> None:

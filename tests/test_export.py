@@ -1,0 +1,247 @@
+"""ONNX export: parity with the PyTorch reference through ONNX Runtime, graph properties, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.inliner
+import onnxruntime as ort
+import pytest
+import torch
+
+from attnx.export import export_variant, read_metadata
+from attnx.export.exporter import example_inputs
+from attnx.export.ops import DOMAIN
+
+VARIANTS = ["mha", "cultural", "metaphor", "maw", "smal"]
+SHAPES = [(2, 8), (1, 5), (3, 13)]  # (2, 8) is the export example; the others are not
+# fp16 tolerance, measured: max abs error on unit-scale inputs is ~2e-3..4e-3 for these configs.
+FP16_ATOL = 2e-2
+
+
+def session(path) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def run_both(result, batch, seq, seed=1, fp16=False, feeds=None):
+    feeds = feeds or example_inputs(result.model, batch, seq, seed=seed)
+    with torch.no_grad():
+        ref = result.model(**feeds, return_depth=result.model.has_maw)
+    ref = [r.numpy() for r in (ref if isinstance(ref, tuple) else (ref,))]
+    np_feeds = {k: (v.numpy().astype(np.float16) if fp16 and v.is_floating_point() else v.numpy())
+                for k, v in feeds.items()}
+    got = session(result.path).run(None, np_feeds)
+    return ref, got, feeds
+
+
+def max_err(a, b) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+
+
+@pytest.mark.parametrize("lowering", ["plugin", "rewrite"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ort_matches_reference_fp32(exported, variant, lowering):
+    result = exported(variant, lowering)
+    for batch, seq in SHAPES:
+        ref, got, feeds = run_both(result, batch, seq)
+        assert feeds["attention_mask"][-1].sum() < seq  # padding is exercised
+        assert got[0].shape == (batch, seq, 32)
+        assert max_err(ref[0], got[0]) <= 1e-4, (variant, lowering, batch, seq)
+        if variant == "maw":
+            np.testing.assert_array_equal(ref[1], got[1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ort_matches_reference_fp16(exported, variant):
+    result = exported(variant, "plugin", fp16=True)
+    for batch, seq in SHAPES:
+        ref, got, _ = run_both(result, batch, seq, fp16=True)
+        assert got[0].dtype == np.float16
+        err = max_err(ref[0], got[0])
+        assert err <= FP16_ATOL, (variant, batch, seq, err)
+
+
+@pytest.mark.parametrize("variant", ["mha", "maw", "smal"])
+def test_fp16_keeps_softmax_layernorm_reductions_fp32(exported, variant):
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(exported(variant, fp16=True).path)))
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in
+             list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    kept = [n for n in model.graph.node if n.op_type in ("Softmax", "LayerNormalization", "Attention", "ReduceSum")]
+    assert kept
+    for node in kept:
+        float_inputs = [types[i] for i in node.input[:1] if i]
+        assert float_inputs == [onnx.TensorProto.FLOAT], (node.op_type, node.name)
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)  # weights are fp16
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+
+
+@pytest.mark.parametrize("lowering", ["plugin", "rewrite"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batch_invariance_through_ort(exported, variant, lowering):
+    result = exported(variant, lowering)
+    sess = session(result.path)
+    feeds = example_inputs(result.model, 3, 9, seed=5)
+    mask = feeds["attention_mask"]
+    mask[:] = 1
+    mask[1, 6:] = 0  # example 1 has 6 real tokens
+    np_feeds = {k: v.numpy() for k, v in feeds.items()}
+    batched = sess.run(None, np_feeds)[0]
+    alone = {k: (v[1:2, :6] if v.ndim >= 2 and v.shape[1] == 9 and k != "trace" else v[1:2]) for k, v in np_feeds.items()}
+    single = sess.run(None, alone)[0]
+    np.testing.assert_allclose(batched[1, :6], single[0], atol=1e-5)
+
+
+def graph_ops(path) -> list[str]:
+    model = onnx.load(str(path))
+    return sorted((f"{n.domain}::" if n.domain else "") + n.op_type for n in model.graph.node)
+
+
+@pytest.mark.parametrize("variant,op", [("maw", "MawDepthSelect"), ("smal", "TtaDistance")])
+def test_plugin_lowering_has_custom_nodes_with_bodies(exported, variant, op):
+    model = onnx.load(str(exported(variant).path))
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN]
+    assert [n.op_type for n in nodes] == [op, op]  # one per layer
+    for n in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b"attnx"
+        if op == "MawDepthSelect":
+            assert attrs["scale"] == pytest.approx(1 / np.sqrt(8))
+    assert {(f.domain, f.name) for f in model.functions} == {(DOMAIN, op)}
+    assert any(o.domain == DOMAIN and o.version == 1 for o in model.opset_import)
+    onnx.checker.check_model(model, full_check=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rewrite_lowering_uses_standard_ops_only(exported, variant):
+    model = onnx.load(str(exported(variant, "rewrite").path))
+    assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    assert not model.functions
+
+
+@pytest.mark.parametrize("lowering", ["plugin", "rewrite"])
+def test_no_rank5_tensor_in_maw_graph(exported, lowering):
+    model = onnx.load(str(exported("maw", lowering).path))
+    inlined = onnx.inliner.inline_local_functions(model)  # look inside the function bodies too
+    inferred = onnx.shape_inference.infer_shapes(inlined, strict_mode=True)
+    ranks = [len(vi.type.tensor_type.shape.dim) for vi in inferred.graph.value_info if vi.type.tensor_type.HasField("shape")]
+    assert ranks and max(ranks) <= 4
+    assert all(n.op_type != "Einsum" for n in inlined.graph.node)
+
+
+def test_mha_is_one_attention_node(exported):
+    ops = graph_ops(exported("mha", n_layers=1).path)
+    assert ops.count("Attention") == 1
+    assert "Softmax" not in ops and "attnx::" not in " ".join(ops)
+
+
+def test_cultural_query_mode_emits_no_nodes(exported):
+    mha = graph_ops(exported("mha").path)
+    query = graph_ops(exported("cultural", bias_mode="query").path)
+    key = graph_ops(exported("cultural", bias_mode="key").path)
+    assert query == mha
+    assert len(key) > len(mha)
+
+
+def test_smal_rewrite_is_attention_with_per_key_bias(exported):
+    ops = graph_ops(exported("smal", "rewrite").path)
+    assert ops.count("Attention") == 2 and "Softmax" not in ops
+
+
+@pytest.mark.parametrize("overrides", [
+    {"bias_mode": "key", "fusion": "gated", "lambda_mode": "mlp"},
+    {"bias_mode": "query", "fusion": "gated"},
+])
+def test_cultural_modes(exported, overrides):
+    for lowering in ("plugin", "rewrite"):
+        result = exported("cultural", lowering, **overrides)
+        with torch.no_grad():  # make lambda and gates matter
+            for p in result.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        result = export_variant("cultural", result.path, overrides={"d_model": 32, "n_heads": 4, **overrides},
+                                lowering=lowering, checkpoint=None)
+        ref, got, _ = run_both(result, 2, 7)
+        assert max_err(ref[0], got[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["sequence", "token", "type", "token_type"])
+def test_metaphor_input_modes(exported, mode):
+    result = exported("metaphor", metaphor_input=mode, post_norm=mode == "token")
+    spec = next(i for i in read_metadata(result.path).inputs if i["name"] == "metaphor")
+    assert spec["dtype"] == ("int64" if "type" in mode else "float32")
+    for batch, seq in SHAPES:
+        ref, got, _ = run_both(result, batch, seq)
+        assert max_err(ref[0], got[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("overrides", [{"per_head_trace": True}, {"mode": "tta"}, {"mode": "tta", "per_head_trace": True}])
+def test_smal_modes(exported, overrides):
+    for lowering in ("plugin", "rewrite"):
+        result = exported("smal", lowering, **overrides)
+        for batch, seq in SHAPES[1:]:
+            ref, got, _ = run_both(result, batch, seq)
+            assert max_err(ref[0], got[0]) <= 1e-4 * max(1.0, float(np.abs(ref[0]).max()))
+
+
+def test_metadata_and_dynamic_dims(exported):
+    result = exported("smal")
+    info = read_metadata(result.path)
+    assert info.variant == "smal" and info.lowering == "plugin" and info.precision == "fp32"
+    assert info.config["attention"]["smal"]["d_model"] == 32
+    assert info.profiles == {"batch": [1, 8, 32], "seq": [1, 128, 512]}
+    assert [(i["name"], i["role"], i["shape"]) for i in info.inputs] == [
+        ("hidden_states", "hidden_states", ["batch", "seq", 32]),
+        ("attention_mask", "attention_mask", ["batch", "seq"]),
+        ("self_state", "context", ["batch", 32]),
+        ("trace", "context", ["batch", 8, 8]),
+    ]
+    assert info.weights == result.path.with_suffix(".safetensors").name
+    model = onnx.load(str(result.path))
+    out = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in out] == ["batch", "seq", 32]
+
+
+def test_checkpoint_roundtrip(tmp_path):
+    from safetensors.torch import save_file
+
+    first = export_variant("maw", tmp_path / "a.onnx", overrides={"d_model": 32, "n_heads": 4})
+    with torch.no_grad():
+        for p in first.model.parameters():
+            p.mul_(1.5).add_(0.1)
+    save_file({k: v.contiguous() for k, v in first.model.state_dict().items()}, str(tmp_path / "ckpt.safetensors"))
+    second = export_variant("maw", tmp_path / "b.onnx", overrides={"d_model": 32, "n_heads": 4},
+                            checkpoint=tmp_path / "ckpt.safetensors", seed=123)
+    feeds = example_inputs(first.model, 3, 11, seed=2)
+    with torch.no_grad():
+        expected = first.model(**feeds)
+    got = session(second.path).run(["output"], {k: v.numpy() for k, v in feeds.items()})[0]
+    assert max_err(expected.numpy(), got) <= 1e-4
+    # and a seeded export without the checkpoint differs
+    plain = session(export_variant("maw", tmp_path / "c.onnx", overrides={"d_model": 32, "n_heads": 4}).path)
+    assert max_err(expected.numpy(), plain.run(["output"], {k: v.numpy() for k, v in feeds.items()})[0]) > 1e-2
+
+
+def test_checkpoint_mismatch_is_clear(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"blocks.0.attn.W_Q.weight": torch.zeros(3, 3)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match=r"does not fit this maw model: missing \d+: .*wrong shape 1: blocks.0.attn.W_Q.weight \[3, 3\]"):
+        export_variant("maw", tmp_path / "x.onnx", overrides={"d_model": 32, "n_heads": 4},
+                       checkpoint=tmp_path / "bad.safetensors")
+
+
+def test_external_data_for_large_models(tmp_path, monkeypatch):
+    from attnx.export import exporter
+
+    monkeypatch.setattr(exporter, "_EXTERNAL_DATA_BYTES", 10_000)  # pretend the model is past 2 GB
+    result = export_variant("mha", tmp_path / "big.onnx", overrides={"d_model": 32, "n_heads": 4})
+    assert (tmp_path / "big.onnx.data").stat().st_size > 10_000
+    ref, got, _ = run_both(result, 2, 6)
+    assert max_err(ref[0], got[0]) <= 1e-4
+
+
+def test_opset_range_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="opset must be in"):
+        export_variant("mha", tmp_path / "x.onnx", overrides={"d_model": 32, "n_heads": 4}, opset=11)

@@ -1,0 +1,172 @@
+"""attnx.runtime sessions: specs from the file, parity with the PyTorch reference, checks, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from attnx.runtime import InputError, load
+from attnx.runtime.session import OnnxRuntimeSession, OrtOptions, TensorSpec, _merge_specs, ort_providers
+from conftest_runtime import EXPORT_KW, assert_outputs_equal, request
+
+
+@pytest.fixture(scope="module")
+def maw(exported):
+    return exported("maw", **EXPORT_KW)
+
+
+@pytest.fixture(scope="module")
+def smal(exported):
+    return exported("smal", **EXPORT_KW)
+
+
+@pytest.fixture(scope="module")
+def maw_session(maw):
+    return load(maw.path, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smal_session(smal):
+    return load(smal.path, device="cpu")
+
+
+def test_specs_come_from_the_file(maw_session, smal_session):
+    s = maw_session
+    assert s.input_names == ["hidden_states", "attention_mask"]
+    assert s.output_names == ["output", "maw_depth"]
+    hs = s.input("hidden_states")
+    assert hs.dtype == np.float32 and hs.shape[:2] == ("batch", "seq") and isinstance(hs.shape[2], int)
+    assert (hs.batch_axis, hs.seq_axis, hs.role) == (0, 1, "hidden_states")
+    assert s.input("attention_mask").dtype == np.int64 and s.mask_input.name == "attention_mask"
+    assert s.output("maw_depth").shape == ("batch",) and s.output("maw_depth").dtype == np.int64
+    assert s.output("output").seq_axis == 1
+    assert s.provider == "onnxruntime:CPUExecutionProvider" and s.platform == "onnxruntime_onnx"
+    assert s.variant == "maw"
+    assert smal_session.input("self_state").shape[0] == "batch"
+    assert smal_session.input("trace").role == "context"
+    assert smal_session.input("trace").rank == 3
+
+
+def test_maw_matches_the_pytorch_reference(maw, maw_session):
+    feeds = request(maw_session, rows=3, length=9, seed=1, pad_to=12)
+    out = maw_session.run(feeds)
+    with torch.no_grad():
+        ref, depth = maw.model(torch.from_numpy(feeds["hidden_states"]), torch.from_numpy(feeds["attention_mask"]),
+                               return_depth=True)
+    # Padded query rows carry no meaning: compare the real tokens.
+    np.testing.assert_allclose(out["output"][:, :9], ref.numpy()[:, :9], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(out["maw_depth"], depth.numpy())
+
+
+def test_smal_matches_the_pytorch_reference(smal, smal_session):
+    feeds = request(smal_session, rows=2, length=7, seed=2)
+    out = smal_session.run(feeds)
+    with torch.no_grad():
+        ref = smal.model(torch.from_numpy(feeds["hidden_states"]), torch.from_numpy(feeds["attention_mask"]),
+                         self_state=torch.from_numpy(feeds["self_state"]), trace=torch.from_numpy(feeds["trace"]))
+    np.testing.assert_allclose(out["output"], ref.numpy(), atol=1e-4, rtol=0)
+
+
+def test_omitted_mask_means_all_tokens(maw_session):
+    with_mask = request(maw_session, rows=2, length=6, seed=3)
+    without = {k: v for k, v in with_mask.items() if k != "attention_mask"}
+    assert_outputs_equal(maw_session.run(without), maw_session.run(with_mask), atol=0)
+
+
+def test_selected_outputs_only(maw_session):
+    feeds = request(maw_session, rows=1, length=5, seed=4)
+    out = maw_session.run(feeds, output_names=["maw_depth"])
+    assert list(out) == ["maw_depth"]
+    with pytest.raises(InputError, match="unknown output"):
+        maw_session.run(feeds, output_names=["nope"])
+
+
+def test_concurrent_runs_from_threads_get_their_own_results(maw_session):
+    requests = [request(maw_session, rows=1 + i % 3, length=4 + 3 * i, seed=10 + i) for i in range(8)]
+    expected = [maw_session.run(r) for r in requests]
+    got: dict[int, dict] = {}
+    errors = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(3):
+                got[i] = maw_session.run(requests[i])
+                assert_outputs_equal(got[i], expected[i], atol=0)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(got) == 8
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda f: f.update(extra=np.zeros(1, np.float32)), "unknown input"),
+        (lambda f: f.pop("hidden_states"), "missing input|cannot infer"),
+        (lambda f: f.update(hidden_states=f["hidden_states"].astype(np.float64)), "dtype"),
+        (lambda f: f.update(hidden_states=f["hidden_states"][0]), "rank"),
+        (lambda f: f.update(hidden_states=f["hidden_states"][:, :, :-1]), "dim 2"),
+        (lambda f: f.update(attention_mask=f["attention_mask"][:1]), "disagrees"),
+    ],
+    ids=["unknown", "missing", "dtype", "rank", "fixed-dim", "batch-mismatch"],
+)
+def test_bad_feeds_raise_input_error(maw_session, change, message):
+    feeds = request(maw_session, rows=2, length=5, seed=5)
+    change(feeds)
+    with pytest.raises(InputError, match=message):
+        maw_session.run(feeds)
+
+
+def test_smal_needs_its_context(smal_session):
+    feeds = request(smal_session, rows=1, length=4, seed=6)
+    feeds.pop("trace")
+    with pytest.raises(InputError, match="missing input"):
+        smal_session.run(feeds)
+
+
+def test_thread_options_and_devices(maw):
+    one = OnnxRuntimeSession(maw.path, OrtOptions(device="cpu", threads=1, spin=True, optimization="basic"))
+    two = load(maw.path, device="cpu", threads=2)
+    feeds = request(one, rows=2, length=5, seed=7)
+    assert_outputs_equal(one.run(feeds), two.run(feeds), atol=1e-5)
+    assert ort_providers("cpu") == ["CPUExecutionProvider"]
+    assert ort_providers("auto")[-1] == "CPUExecutionProvider"
+    with pytest.raises(ValueError, match="unknown device"):
+        ort_providers("tpu")
+
+
+def test_load_refuses_unknown_and_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="unknown model type"):
+        load(tmp_path / "model.pt")
+    with pytest.raises(FileNotFoundError):
+        load(tmp_path / "missing.onnx")
+    with pytest.raises(FileNotFoundError):
+        load(tmp_path / "missing.engine")
+
+
+def test_engine_that_cannot_run_here_fails_clearly(tmp_path):
+    engine = tmp_path / "model.engine"
+    engine.write_bytes(b"not an engine")
+    with pytest.raises(Exception) as info:
+        load(engine)
+    assert str(info.value)  # one readable line, not a crash of the interpreter
+
+
+def test_metadata_names_dims_the_file_left_anonymous():
+    meta = [{"name": "output", "role": "output", "shape": ["batch", "seq", 8]},
+            {"name": "depth", "role": "aux", "shape": ["batch"]}]
+    specs = _merge_specs(
+        [("output", np.dtype(np.float32), ["s0", None, 8]), ("depth", np.dtype(np.int64), [3])], meta, False
+    )
+    assert specs[0] == TensorSpec("output", np.dtype(np.float32), ("batch", "seq", 8), "output")
+    # A fixed dim in the file wins over the metadata.
+    assert specs[1].shape == (3,) and specs[1].role == "aux"

@@ -1,0 +1,331 @@
+"""The KServe v2 server, driven by the unmodified tritonclient.http on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from attnx.runtime import BatcherConfig, load
+from attnx.runtime.metrics import histogram_counts
+from conftest_runtime import EXPORT_KW, GatedSession, assert_outputs_equal, request, running_server, triton_infer
+
+
+@pytest.fixture(scope="module")
+def paths(exported):
+    return {v: exported(v, **EXPORT_KW).path for v in ("maw", "smal")}
+
+
+@pytest.fixture(scope="module")
+def sessions(paths):
+    return {v: load(p, device="cpu") for v, p in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def server(paths):
+    with running_server(paths) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    c = httpclient.InferenceServerClient(server.address, network_timeout=60)
+    yield c
+    c.close()
+
+
+def metrics_text(server) -> str:
+    return httpx.get(server.url + "/metrics", timeout=10).text
+
+
+def test_health_and_metadata(client, server, sessions):
+    assert server.url.startswith("http://127.0.0.1:")
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("maw") and client.is_model_ready("smal", "1")
+    assert not client.is_model_ready("nope")
+    meta = client.get_server_metadata()
+    assert meta["name"] == "attnx" and "binary_tensor_data" in meta["extensions"]
+    m = client.get_model_metadata("smal")
+    assert m["name"] == "smal" and m["versions"] == ["1"] and m["platform"] == "onnxruntime_onnx"
+    spec = sessions["smal"].input("trace")
+    assert {"name": "trace", "datatype": "FP32", "shape": [-1, *spec.shape[1:]]} in m["inputs"]
+    assert [o["name"] for o in client.get_model_metadata("maw", "1")["outputs"]] == ["output", "maw_depth"]
+    assert {"name": "maw", "version": "1", "state": "READY"} in client.get_model_repository_index()
+    config = client.get_model_config("maw")
+    assert config["max_batch_size"] == 32 and config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    with pytest.raises(InferenceServerException, match="unknown model"):
+        client.get_model_metadata("nope")
+
+
+@pytest.mark.parametrize("variant", ["maw", "smal"])
+@pytest.mark.parametrize("binary_in, binary_out", [(True, True), (False, False), (True, False), (False, True)],
+                         ids=["binary", "json", "binary-in", "binary-out"])
+def test_infer_gives_the_runtime_numbers(client, sessions, variant, binary_in, binary_out):
+    session = sessions[variant]
+    feeds = request(session, rows=2, length=11, seed=7, pad_to=13)
+    want = session.run(feeds)
+    got, response = triton_infer(client, variant, feeds, binary_in=binary_in, binary_out=binary_out)
+    assert_outputs_equal(got, want, atol=1e-5)
+    has_binary = all("parameters" in o and "binary_data_size" in o["parameters"] for o in response["outputs"])
+    assert has_binary == binary_out
+    assert response["model_name"] == variant and response["model_version"] == "1"
+
+
+def test_request_id_version_selected_outputs_and_omitted_mask(client, sessions):
+    session = sessions["maw"]
+    feeds = request(session, rows=1, length=9, seed=3, with_mask=False)
+    want = session.run(feeds)
+    got, response = triton_infer(client, "maw", feeds, outputs=["maw_depth"], request_id="req-42",
+                                 model_version="1", parameters={"anything_else": 5})
+    assert response["id"] == "req-42" and list(got) == ["maw_depth"]
+    np.testing.assert_array_equal(got["maw_depth"], want["maw_depth"])
+
+
+def test_concurrent_variable_length_requests_are_batched_over_http(paths, sessions):
+    session = sessions["maw"]
+    lengths = [5, 31, 12, 20, 2, 27, 9, 16]
+    requests = [request(session, rows=1, length=L, seed=50 + i) for i, L in enumerate(lengths)]
+    alone = [session.run(r) for r in requests]
+    results: dict[int, dict] = {}
+    errors: list = []
+    batching = BatcherConfig(max_batch_size=32, max_queue_delay_ms=300, max_length_ratio=None)
+    with running_server({"maw": paths["maw"]}, batching=batching) as srv:
+        barrier = threading.Barrier(len(requests))
+
+        def call(i: int) -> None:
+            c = httpclient.InferenceServerClient(srv.address, network_timeout=60)
+            try:
+                barrier.wait(10)
+                results[i], _ = triton_infer(c, "maw", requests[i])
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+            finally:
+                c.close()
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        text = metrics_text(srv)
+    assert not errors, errors
+    for i, L in enumerate(lengths):
+        assert results[i]["output"].shape == (1, L, alone[i]["output"].shape[2])
+        assert_outputs_equal(results[i], alone[i], atol=1e-5)
+    buckets = histogram_counts(text, "attnx_batch_size", "maw")
+    total = buckets["+Inf"]
+    assert total < len(requests)  # fewer batches than requests...
+    assert buckets["1.0"] < total  # ...and some batch had more than one row
+
+
+def test_metrics_histograms_and_counters(server, client, sessions):
+    feeds = request(sessions["smal"], rows=1, length=4, seed=1)
+    triton_infer(client, "smal", feeds)
+    with pytest.raises(InferenceServerException):
+        triton_infer(client, "nope", feeds)
+    with pytest.raises(InferenceServerException):
+        triton_infer(client, "smal", {k: v for k, v in feeds.items() if k != "trace"})
+    text = metrics_text(server)
+    for name in ("attnx_request_latency_seconds", "attnx_queue_time_seconds", "attnx_compute_time_seconds",
+                 "attnx_batch_size"):
+        assert histogram_counts(text, name, "smal")["+Inf"] >= 1, name
+    assert re.search(r'attnx_request_success_total\{model="smal"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="_unknown_",reason="unknown_model"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="smal",reason="bad_request"\} [1-9]', text)
+    assert 'attnx_queue_depth{model="maw"}' in text
+
+
+def test_load_64_clients_no_lost_or_mismatched_responses(server, sessions):
+    session = sessions["maw"]
+    pool = [request(session, rows=1, length=[4, 8, 16, 32][i % 4], seed=200 + i) for i in range(16)]
+    expected = [session.run(r) for r in pool]
+    counts = [0] * 64
+    failures: list = []
+    before = histogram_counts(metrics_text(server), "attnx_request_latency_seconds", "maw").get("+Inf", 0)
+
+    def client_loop(k: int) -> None:
+        c = httpclient.InferenceServerClient(server.address, network_timeout=60, connection_timeout=60)
+        deadline = time.monotonic() + 4
+        i = k
+        try:
+            while time.monotonic() < deadline and counts[k] < 25:
+                got, _ = triton_infer(c, "maw", pool[i % 16])
+                assert_outputs_equal(got, expected[i % 16], atol=1e-5)
+                counts[k] += 1
+                i += 5
+        except Exception as e:  # noqa: BLE001 - any error is a failure of this test
+            failures.append(repr(e))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures[:3]
+    assert all(n >= 1 for n in counts)
+    after = histogram_counts(metrics_text(server), "attnx_request_latency_seconds", "maw")["+Inf"]
+    assert after - before == sum(counts)  # every request answered exactly once, all 200s
+
+
+def test_over_limit_queue_gives_503_and_everything_else_succeeds(sessions):
+    session = sessions["maw"]
+    gated = GatedSession(session)
+    batching = BatcherConfig(max_batch_size=1, max_queue_delay_ms=0, max_queue_size=4)
+    feeds = [request(session, rows=1, length=3 + i % 5, seed=i) for i in range(16)]
+    statuses: dict[int, int] = {}
+    with running_server({"maw": gated}, batching=batching) as srv:
+
+        def call(i: int) -> None:
+            body = httpclient.InferenceServerClient.generate_request_body(_inputs(feeds[i]))
+            statuses[i] = _post_infer(srv, "maw", *body)
+
+        first = threading.Thread(target=call, args=(0,))
+        first.start()
+        assert gated.running.acquire(timeout=10)  # the worker is held inside request 0
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(1, 16)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while sum(1 for s in statuses.values() if s[0] == 503) < 11 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        gated.gate.set()
+        for t in [first, *threads]:
+            t.join(60)
+        text = metrics_text(srv)
+    codes = sorted(s[0] for s in statuses.values())
+    assert codes.count(200) == 5 and codes.count(503) == 11, codes
+    for i, (status, payload) in statuses.items():
+        if status == 503:
+            assert "queue full" in payload["error"]
+        else:
+            np.testing.assert_allclose(payload["output"], session.run(feeds[i])["output"], atol=1e-5, rtol=0)
+    assert re.search(r'attnx_request_failures_total\{model="maw",reason="overload"\} 11', text)
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(sessions):
+    session = sessions["smal"]
+    gated = GatedSession(session)
+    feeds = [request(session, rows=1, length=4 + i, seed=i) for i in range(5)]
+    statuses: dict[int, tuple] = {}
+    with running_server({"smal": gated}, batching=BatcherConfig(max_batch_size=1, max_queue_delay_ms=0)) as server:
+
+        def call(i: int) -> None:
+            body = httpclient.InferenceServerClient.generate_request_body(_inputs(feeds[i]))
+            statuses[i] = _post_infer(server, "smal", *body)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        assert gated.running.acquire(timeout=10)
+        batcher = server.models["smal"].batcher
+        deadline = time.monotonic() + 10
+        while batcher.queue_depth < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert batcher.queue_depth == 4  # one request running, four queued: all in flight
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        time.sleep(0.3)
+        assert stopper.is_alive()  # stop waits for the in-flight requests
+        gated.gate.set()
+        stopper.join(60)
+        assert not stopper.is_alive()
+        for t in threads:
+            t.join(60)
+    assert sorted(s[0] for s in statuses.values()) == [200] * 5
+    for i, (_, payload) in statuses.items():
+        np.testing.assert_allclose(payload["output"], session.run(feeds[i])["output"], atol=1e-5, rtol=0)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/v2/health/live", timeout=2)
+
+
+def test_cli_serve_then_sigint_stops_cleanly(paths, sessions, tmp_path):
+    env = {**os.environ, "ATTNX_WORKDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "attnx.cli.main", "serve", f"m1={paths['maw']}", str(paths["smal"]),
+           "--port", "0", "--max-batch", "8", "--max-delay-ms", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        lines = []
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            found = re.search(r"listening on (http://\S+)", line)
+            url = found.group(1) if found else None
+        assert url, "".join(lines)
+        assert url.startswith("http://127.0.0.1:")
+        c = httpclient.InferenceServerClient(url.split("//", 1)[1])
+        assert c.is_server_ready() and c.is_model_ready("m1") and c.is_model_ready("smal")
+        feeds = request(sessions["maw"], rows=1, length=6, seed=1)
+        got, _ = triton_infer(c, "m1", feeds)
+        assert_outputs_equal(got, sessions["maw"].run(feeds))
+        c.close()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+        proc.stdout.close()
+
+
+def test_cli_bench_in_process_and_against_a_server(paths, server, tmp_path):
+    report = tmp_path / "bench.json"
+    base = [sys.executable, "-m", "attnx.cli.main", "bench"]
+    local = subprocess.run(base + [str(paths["maw"]), "--concurrency", "4", "--duration", "1", "--seq", "4,8",
+                                   "--report", str(report)], capture_output=True, text=True, timeout=180)
+    assert local.returncode == 0, local.stderr
+    numbers = json.loads(report.read_text())
+    assert numbers["ok"] > 0 and numbers["errors"] == {} and numbers["p99_ms"] >= numbers["p50_ms"] > 0
+    remote = subprocess.run(base + ["smal", "--url", server.url, "--concurrency", "3", "--duration", "1",
+                                    "--seq", "5", "--report", str(report)], capture_output=True, text=True,
+                            timeout=180)
+    assert remote.returncode == 0, remote.stderr
+    numbers = json.loads(report.read_text())
+    assert numbers["ok"] > 0 and numbers["errors"] == {}
+    assert "p99" in remote.stdout
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _inputs(feeds):
+    from tritonclient.utils import np_to_triton_dtype
+
+    items = []
+    for name, arr in feeds.items():
+        item = httpclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        item.set_data_from_numpy(arr, binary_data=True)
+        items.append(item)
+    return items
+
+
+def _post_infer(server, model: str, body: bytes, json_size: int | None) -> tuple[int, dict]:
+    """POST a prepared request body; JSON outputs are asked for so the payload is easy to read."""
+    header = json.loads(body[:json_size] if json_size else body)
+    header["outputs"] = [{"name": "output", "parameters": {"binary_data": False}}]
+    new_header = json.dumps(header).encode()
+    payload = new_header + (body[json_size:] if json_size else b"")
+    headers = {"Inference-Header-Content-Length": str(len(new_header))} if json_size else {}
+    r = httpx.post(f"{server.url}/v2/models/{model}/infer", content=payload, headers=headers, timeout=60)
+    data = r.json()
+    if r.status_code == 200:
+        out = data["outputs"][0]
+        data = {"output": np.array(out["data"], dtype=np.float32).reshape(out["shape"])}
+    return r.status_code, data

@@ -1,0 +1,220 @@
+"""Attention visualisation (attnx.models.visualize): self-contained HTML, PNG heatmaps."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")  # a guard only: installed with attnx[dev]
+from PIL import Image  # noqa: E402  (matplotlib depends on pillow)
+
+from attnx.models import build_encoder  # noqa: E402
+from attnx.models.analysis import analyze_cache  # noqa: E402
+from attnx.models.gpt2 import GPT2LM  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
+from attnx.models.visualize import (  # noqa: E402
+    attention_html,
+    default_figsize,
+    save_attention_html,
+    save_attention_png,
+    save_layer_pngs,
+    visualize_text,
+)
+
+TOKENS = ["The", "cat", "sat", "on", "the", "mat", "$x$", "</script><b>&"]
+L = len(TOKENS)
+
+
+@pytest.fixture(scope="module")
+def cache():
+    torch.manual_seed(0)
+    enc = build_encoder("mha", n_layers=2, d_model=32, n_heads=4, is_causal=True)
+    _, c = run_with_cache(enc, torch.randn(1, L, 32) * 3)
+    return c
+
+
+def _data(html: str) -> dict:
+    m = re.search(r'<script type="application/json" id="attn-data">(.*?)</script>', html, re.S)
+    assert m, "no embedded data block"
+    return json.loads(m.group(1))
+
+
+def test_html_is_self_contained_and_holds_tokens_and_weights(cache):
+    behaviors = analyze_cache(cache, is_causal=True)
+    html = attention_html(TOKENS, cache, layers=[1], heads=[0, 2], behaviors=behaviors)
+    # No network: no URL, no external script/style/image.
+    assert not re.search(r"https?:|//[a-z0-9]", html, re.I)
+    assert not re.search(r"<(link|img|iframe)\b|\bsrc\s*=|@import|url\(", html, re.I)
+    assert html.count("<script") == 2 and html.count("</script>") == 2  # data + code; the token cannot break out
+    assert "<style>" in html
+    data = _data(html)
+    assert data["tokens"] == TOKENS
+    assert [(h["layer"], h["head"]) for h in data["heads"]] == [(1, 0), (1, 2)]
+    for h in data["heads"]:
+        want = cache["blocks.1.attn.hook_pattern"][0, h["head"]]
+        assert torch.tensor(h["pattern"]).sub(want).abs().max() <= 5.1e-5  # rounded to 4 decimals
+        b = next(b for b in behaviors if (b.layer, b.head) == (1, h["head"]))
+        assert h["label"] == b.primary_pattern and h["entropy"] == pytest.approx(b.entropy)
+    # The visible text escapes markup.
+    assert "&lt;/script&gt;&lt;b&gt;&amp;" in html
+
+
+def test_html_accepts_layer_dicts_and_checks_inputs(cache):
+    pats = {0: cache.pattern(0)[0], 1: cache.pattern(1)[0]}  # {layer: [H, L, L]}
+    data = _data(attention_html(TOKENS, pats))
+    assert len(data["heads"]) == 8
+    with pytest.raises(ValueError, match="tokens"):
+        attention_html(TOKENS[:-1], cache)
+    with pytest.raises(ValueError, match="layer 5"):
+        attention_html(TOKENS, cache, layers=[5])
+    with pytest.raises(ValueError, match="head 4"):
+        attention_html(TOKENS, cache, heads=[4])
+    with pytest.raises(ValueError, match="no attention patterns"):
+        attention_html(TOKENS, {"blocks.0.hook_resid_pre": torch.zeros(1, L, 32)})
+
+
+_DOM_STUB = r"""
+class El {
+  constructor(tag) { this.tag = tag; this.children = []; this.style = {}; this.dataset = {};
+    this.className = ''; this._text = ''; this.title = '';
+    this.classList = { toggle: (c, on) => { this.className = on ? c : ''; } }; }
+  appendChild(c) { this.children.push(c); return c; }
+  get value() { return this._value !== undefined ? this._value : (this.children[0] || {}).value; }  // <select>
+  set value(v) { this._value = String(v); }
+  set textContent(t) { this._text = String(t); if (t === '') this.children = []; }
+  get textContent() { return this._text; }
+  insertRow() { return this.appendChild(new El('tr')); }
+  insertCell() { return this.appendChild(new El('td')); }
+  querySelectorAll(sel) { return this.children.filter(c => ('.' + c.className) === sel); }
+}
+const els = {};
+global.document = {
+  getElementById: id => {
+    if (id === 'attn-data') return { textContent: DATA };
+    return els[id] || (els[id] = new El(id));
+  },
+  createElement: tag => new El(tag),
+};
+"""
+
+_DRIVER = r"""
+const D = JSON.parse(DATA);
+const g = els.grid, toks = els.tokens, sel = els.head;
+const rows = g.children, n = D.tokens.length;
+if (sel.children.length !== D.heads.length) throw new Error('selector');
+if (rows.length !== n + 1) throw new Error('rows ' + rows.length);
+const cell = rows[2].children[1 + 1];       // query 1, key 1
+cell.onmouseenter();
+console.log(JSON.stringify({info: els.info.textContent, bg: cell.style.background,
+                            ntok: toks.children.length, label: sel.children[0].textContent}));
+toks.children[2].onmouseenter();
+sel.value = 1; sel.onchange();
+console.log(JSON.stringify({info: els.info.textContent, cells: rows[1].children.length}));
+"""
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node runs the page's script")
+def test_html_script_runs_and_shows_weights_on_hover(cache, tmp_path):
+    behaviors = analyze_cache(cache, is_causal=True)
+    html = attention_html(TOKENS, cache, layers=[0], heads=[1, 3], behaviors=behaviors)
+    data = re.search(r'id="attn-data">(.*?)</script>', html, re.S).group(1)
+    code = re.search(r"<script>(.*?)</script>", html, re.S).group(1)
+    js = f"const DATA = {json.dumps(data)};\n{_DOM_STUB}\n{code}\n{_DRIVER}"
+    (tmp_path / "page.js").write_text(js)
+    res = subprocess.run(["node", str(tmp_path / "page.js")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    first, second = (json.loads(line) for line in res.stdout.strip().splitlines())
+    w = cache.pattern(0)[0, 1, 1, 1].item()
+    assert first["info"] == f'query 1 "cat" -> key 1 "cat": {w:.4f}'
+    assert first["bg"].startswith("rgba(31,119,180,") and first["ntok"] == L
+    assert first["label"].startswith("layer 0 head 1 - ")
+    assert second["info"].startswith('query 2 "sat" attends most to:') and second["cells"] == L + 1
+
+
+def test_png_has_the_expected_size_and_content(tmp_path, cache):
+    p = cache.pattern(0)[0, 0]
+    path = save_attention_png(tmp_path / "one.png", TOKENS, p, figsize=(4, 3), dpi=50, title="L0 H0")
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size == (200, 150)
+        px = torch.from_numpy(np.array(im.convert("L"))).float()
+    assert px.std() > 10  # not a blank canvas
+
+    import matplotlib.image as mpimg
+
+    grid = save_attention_png(tmp_path / "grid.png", TOKENS, cache.pattern(1)[0], titles=[f"H{h}" for h in range(4)],
+                              dpi=40)
+    w, h = default_figsize(L, 4)
+    assert mpimg.imread(grid).shape[:2] == (round(h * 40), round(w * 40))
+
+
+def test_png_heatmap_puts_dark_cells_where_the_weight_is(tmp_path):
+    # An identity pattern drawn on a known canvas: the diagonal must be darker than off-diagonal.
+    n = 4
+    path = save_attention_png(tmp_path / "eye.png", list("abcd"), torch.eye(n), figsize=(4, 4), dpi=100)
+    with Image.open(path) as im:
+        g = torch.from_numpy(np.array(im.convert("L"))).float()  # [H, W]
+        assert g.shape == (400, 400)
+    dark = (g < 80).nonzero()
+    assert len(dark) > 0
+    ys, xs = dark[:, 0].float(), dark[:, 1].float()
+    # Dark pixels (the 1.0 cells and the colorbar top) are spread along a falling diagonal.
+    in_axes = xs < xs.quantile(0.8)
+    assert torch.corrcoef(torch.stack([ys[in_axes], xs[in_axes]]))[0, 1] > 0.8
+
+
+def test_png_input_errors(tmp_path):
+    with pytest.raises(ValueError, match="tokens"):
+        save_attention_png(tmp_path / "x.png", ["a"], torch.eye(3))
+    with pytest.raises(ValueError, match="pattern"):
+        save_attention_png(tmp_path / "x.png", ["a"], torch.zeros(2, 3))
+
+
+def test_save_html_and_layer_pngs(tmp_path, cache):
+    html = save_attention_html(tmp_path / "sub" / "a.html", TOKENS, cache, [0], [0])
+    assert html.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    paths = save_layer_pngs(tmp_path, TOKENS, cache, layers=[0, 1], heads=[0, 1], dpi=30)
+    assert [p.name for p in paths] == ["layer0.png", "layer1.png"]
+    for p in paths:
+        with Image.open(p) as im:
+            w, h = default_figsize(L, 2)
+            assert im.size == (round(w * 30), round(h * 30))
+
+
+def test_visualize_text_end_to_end(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<pad>", "the", "cat", "sat", "on", "mat", "[UNK]"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    enc = build_encoder("mha", n_layers=2, d_model=32, n_heads=4, is_causal=True, activation="gelu_tanh")
+    lm = GPT2LM(enc, vocab_size=len(words), n_positions=16, tokenizer=tok).eval()
+    out = visualize_text(lm, None, "the cat sat on the mat", tmp_path / "viz", layers=[1], heads=[0, 3], dpi=30)
+    assert out["tokens"] == ["the", "cat", "sat", "on", "the", "mat"]
+    html = out["html"].read_text(encoding="utf-8")
+    data = _data(html)
+    assert data["tokens"] == out["tokens"] and [(h["layer"], h["head"]) for h in data["heads"]] == [(1, 0), (1, 3)]
+    assert all("label" in h for h in data["heads"])
+    assert [p.name for p in out["png"]] == ["layer1.png"]
+    assert len(out["behaviors"]) == 4
+    with pytest.raises(ValueError, match="tokenizer"):
+        visualize_text(GPT2LM(enc, 7, 16), None, "the cat", tmp_path)
+
+
+def test_interpretability_example_runs(tmp_path):
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "interpretability.py"
+    res = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "best head" in res.stdout and "primary" in res.stdout
+    for name in ("encoder.html", "encoder/layer0.png", "gpt2/attention.html", "gpt2/layer1.png"):
+        assert (tmp_path / name).is_file(), name
