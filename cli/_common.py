@@ -15,9 +15,10 @@ from typing import Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one-line errors stay one line
 
 F = TypeVar("F", bound=Callable)
 
@@ -72,13 +73,15 @@ def guarded(fn: F) -> F:
         except UserError as e:
             if state.verbose:
                 traceback.print_exc()
-            err_console.print(f"[bold red]error:[/bold red] {e}", highlight=False)
+            err_console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False)
             raise typer.Exit(e.code)
         except (ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError, OSError) as e:
             if state.verbose:
                 traceback.print_exc()
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            err_console.print(f"[bold red]error:[/bold red] {type(e).__name__}: {msg}", highlight=False)
+            if not isinstance(e, ValueError):  # ValueErrors are our own input checks: the message says it all
+                msg = f"{type(e).__name__}: {msg}"
+            err_console.print(f"[bold red]error:[/bold red] {escape(msg)}", highlight=False)
             raise typer.Exit(1)
 
     return wrapper  # type: ignore[return-value]

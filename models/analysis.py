@@ -47,6 +47,7 @@ BOS / first token; with left padding it is not 0).
 - ``primary_pattern``: the pattern with the highest score (ties: the order of
   :data:`PATTERNS`). It is always set, so a diffuse head still gets a label;
   check ``primary_score`` (or pass ``min_score``) to call such heads ``"diffuse"``.
+  ``"none"`` when no score is defined (e.g. a one-token input).
 """
 
 from __future__ import annotations

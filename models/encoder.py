@@ -68,6 +68,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 head_mask: torch.Tensor | None = None, **context) -> torch.Tensor:
+        if not torch.compiler.is_exporting():  # a bare block (build_variant("metaphor")) meets ln1 first
+            d = self.config.d_model
+            check_inputs([InputSpec("x", ("batch", "seq", d), "float", "hidden_states"),
+                          InputSpec("attention_mask", ("batch", "seq"), "mask", "attention_mask")],
+                         {"x": x, "attention_mask": attention_mask}, optional=("attention_mask",))
         x = self.hook_resid_pre(x)
         attn_ctx = {k: context[k] for k in self.attn.context_names}
         h = x + self.hook_attn_out(self.attn(self.ln1(x), attention_mask, head_mask, **attn_ctx))
@@ -140,11 +145,11 @@ class Encoder(nn.Module):
                                               **context}, optional=("attention_mask",))
         if head_mask is not None:
             n, h = len(self.blocks), self.n_heads
+            given = list(head_mask.shape)
             if head_mask.dim() == 1:
                 head_mask = head_mask.expand(n, -1)
             if head_mask.shape != (n, h):
-                raise ValueError(f"head_mask: expected shape [n_layers={n}, H={h}] or [H={h}], "
-                                 f"got {list(head_mask.shape)}")
+                raise ValueError(f"head_mask: expected shape [n_layers={n}, H={h}] or [H={h}], got {given}")
         x = hidden_states
         for i, block in enumerate(self.blocks):
             x = block(x, attention_mask, None if head_mask is None else head_mask[i], **context)

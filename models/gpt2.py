@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnx.models.common import HookPoint
@@ -268,15 +267,15 @@ def load_gpt2(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2LM
         raise ValueError(f"{folder}: tie_word_embeddings=false but the checkpoint has no lm_head.weight")
     if tie:  # the head is wte (a stored lm_head copy is ignored)
         sd["lm_head.weight"] = sd["wte.weight"]
-    leftover = sorted(set(raw) - _used_names(n_layer, tie))
+    leftover = sorted(set(raw) - _used_names(n_layer))
     if leftover:
         raise ValueError(f"{folder}: unexpected tensor(s) for a {n_layer}-layer GPT-2: {', '.join(leftover[:8])}"
                          + (" ..." if len(leftover) > 8 else ""))
 
+    activation = _ACTIVATIONS[cfg.get("activation_function", "gelu_new")]
     encoder = build_encoder("mha", seed=None, n_layers=n_layer, d_model=d, n_heads=n_head, is_causal=True,
-                            qkv_bias=True, dropout=0.0, activation=_ACTIVATIONS[cfg.get("activation_function",
-                                                                                        "gelu_new")],
-                            ffn_mult=n_inner // d, ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), final_norm=True)
+                            qkv_bias=True, dropout=0.0, activation=activation, ffn_mult=n_inner // d,
+                            ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), final_norm=True)
     model = GPT2LM(encoder, vocab, n_pos, tie_word_embeddings=tie, tokenizer=_load_tokenizer(folder), config=cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     bad = [f"{k}: checkpoint {list(sd[k].shape)} vs model {list(expected[k])}" for k in expected
@@ -290,7 +289,7 @@ def load_gpt2(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2LM
     return model.to(dtype).eval()
 
 
-def _used_names(n_layer: int, tie: bool) -> set[str]:
+def _used_names(n_layer: int) -> set[str]:
     names = {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"}
     for i in range(n_layer):
         for m in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):

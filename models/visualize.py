@@ -151,13 +151,14 @@ def _json_for_script(obj) -> str:
 
 def attention_html(tokens: Sequence[str], patterns: Mapping, layers: Sequence[int] | None = None,
                    heads: Sequence[int] | None = None, *, batch_index: int = 0, behaviors: Sequence | None = None,
-                   title: str = "attnx attention patterns", decimals: int = 4) -> str:
+                   title: str = "attnx attention patterns", text: str | None = None, decimals: int = 4) -> str:
     """One HTML page: a head selector, a query x key heatmap (hover a cell for its weight)
     and the text (hover a token to shade the tokens it attends to).
 
     ``behaviors`` (from :func:`attnx.models.analysis.analyze_heads`) adds each head's
     primary pattern to the selector and its scores under it. Weights are rounded to
-    ``decimals`` places to keep the page small.
+    ``decimals`` places to keep the page small. ``text`` is shown above the plots
+    (default: the tokens joined by spaces).
     """
     pats = _layer_patterns(patterns, batch_index)
     length = next(iter(pats.values())).shape[-1]
@@ -176,7 +177,8 @@ def attention_html(tokens: Sequence[str], patterns: Mapping, layers: Sequence[in
             entry["scores"] = {k: (None if v != v else round(float(v), 4)) for k, v in b.scores.items()}
         entries.append(entry)
     data = _json_for_script({"tokens": tokens, "heads": entries})
-    text = _html.escape("".join(tokens) if len(tokens) < 400 else "".join(tokens[:400]) + "...")
+    text = " ".join(tokens) if text is None else text
+    text = _html.escape(text if len(text) <= 2000 else text[:2000] + "...")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{_html.escape(title)}</title>
 <style>{_CSS}</style></head>
@@ -318,6 +320,6 @@ def visualize_text(model, tokenizer, text: str, out_dir: str | Path, layers: Seq
         behaviors = analyze_cache(cache, None, layers=chosen, is_causal=causal)
     out = Path(out_dir)
     html_path = save_attention_html(out / "attention.html", labels, cache, chosen, heads, behaviors=behaviors,
-                                    title=f"attention: {text[:60]}")
+                                    title=f"attention: {text[:60]}", text=text)
     pngs = save_layer_pngs(out, labels, cache, chosen, heads, behaviors=behaviors, **png_kwargs)
     return {"html": html_path, "png": pngs, "tokens": labels, "behaviors": behaviors}

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -316,6 +317,21 @@ def parse_model_args(args: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
+class _QuietExitServer(uvicorn.Server):
+    """uvicorn, minus re-raising the stop signal after its graceful shutdown.
+
+    uvicorn re-raises SIGINT/SIGTERM once it has shut down, which turns a clean,
+    intended stop into exit status 130/143; a server stopped on purpose exits 0.
+    A second Ctrl-C still forces the exit (``should_exit`` is already set).
+    """
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
+
 class InferenceServer:
     """Models + batchers + metrics + uvicorn, runnable in the foreground or a background thread.
 
@@ -373,8 +389,6 @@ class InferenceServer:
         return sock
 
     def _make_uvicorn(self):
-        import uvicorn
-
         config = uvicorn.Config(
             self.app,
             log_level=self.config.log_level,
@@ -382,7 +396,7 @@ class InferenceServer:
             timeout_graceful_shutdown=self.config.graceful_timeout_s,
             lifespan="on",
         )
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = _QuietExitServer(config)
         return self._uvicorn
 
     @property

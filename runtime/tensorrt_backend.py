@@ -89,6 +89,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("attnx.tensorrt")
+_log.addHandler(logging.NullHandler())  # a library: the application decides what TensorRT's chatter shows
 
 BACKEND_ENV = "ATTNX_TENSORRT_BACKEND"
 INSTALL_HINT = ("install TensorRT: `pip install attnx[tensorrt]` (full TensorRT, for the local GPU; the libraries "

@@ -251,7 +251,8 @@ def test_graceful_shutdown_finishes_in_flight_requests(sessions):
         httpx.get(server.url + "/v2/health/live", timeout=2)
 
 
-def test_cli_serve_then_sigint_stops_cleanly(paths, sessions, tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_serve_then_signal_stops_cleanly(paths, sessions, tmp_path, stop_signal):
     env = {**os.environ, "ATTNX_WORKDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "attnx.cli.main", "serve", f"m1={paths['maw']}", str(paths["smal"]),
            "--port", "0", "--max-batch", "8", "--max-delay-ms", "1"]
@@ -270,12 +271,12 @@ def test_cli_serve_then_sigint_stops_cleanly(paths, sessions, tmp_path):
         assert url, "".join(lines)
         assert url.startswith("http://127.0.0.1:")
         c = httpclient.InferenceServerClient(url.split("//", 1)[1])
-        assert c.is_server_ready() and c.is_model_ready("m1") and c.is_model_ready("smal")
+        assert c.is_server_ready() and c.is_model_ready("m1") and c.is_model_ready(paths["smal"].stem)
         feeds = request(sessions["maw"], rows=1, length=6, seed=1)
         got, _ = triton_infer(c, "m1", feeds)
         assert_outputs_equal(got, sessions["maw"].run(feeds))
         c.close()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop_signal)
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:

@@ -138,7 +138,7 @@ print(len(names))
     endif()
   endif()
   set(ATTNX_TENSORRT_INCLUDE_DIR "${_include}")
-  set(ATTNX_TENSORRT_HEADERS_SOURCE "${ATTNX_KERNEL_LENS_REQUIREMENT} (downloaded)")
+  set(ATTNX_TENSORRT_HEADERS_SOURCE "${ATTNX_KERNEL_LENS_REQUIREMENT} (downloaded into the build folder)")
 endif()
 
 _attnx_tensorrt_version("${ATTNX_TENSORRT_INCLUDE_DIR}" ATTNX_TENSORRT_VERSION)
