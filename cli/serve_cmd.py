@@ -24,6 +24,22 @@ def _seq_list(text: str) -> list[int]:
     return values
 
 
+def _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens):
+    from attnx.runtime.batcher import BatcherConfig
+
+    try:
+        return BatcherConfig(
+            max_batch_size=max_batch,
+            max_queue_delay_ms=max_delay_ms,
+            max_queue_size=max_queue,
+            timeout_ms=timeout_ms if timeout_ms else None,
+            max_length_ratio=max_length_ratio or None,
+            max_batch_tokens=max_batch_tokens or None,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def _model_files(models: list[str] | None) -> dict[str, Path]:
     from attnx.runtime.server import parse_model_args
 
@@ -56,17 +72,20 @@ def register(app: typer.Typer) -> None:
         timeout_ms: float = typer.Option(30000.0, "--timeout-ms", help="Max time a request may wait in queue."),
         max_body_mb: float = typer.Option(64.0, "--max-body-mb", help="Largest request body accepted (MiB)."),
         max_seq: Optional[int] = typer.Option(None, "--max-seq", help="Longest seq accepted (default: profile max)."),
+        max_length_ratio: float = typer.Option(
+            1.5, "--max-length-ratio", help="Longest/shortest sequence in one batch (0 = pad anything)."
+        ),
+        max_batch_tokens: int = typer.Option(0, "--max-batch-tokens", help="Cap on rows x padded length (0 = none)."),
         device: str = typer.Option("auto", help="ONNX Runtime device: auto, cpu or cuda."),
         threads: Optional[int] = typer.Option(None, help="Intra-op threads per model (default: all CPUs)."),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
     ) -> None:
         """Serve models over HTTP with the KServe v2 protocol (tritonclient works), with dynamic batching."""
-        from attnx.runtime.batcher import BatcherConfig
         from attnx.runtime.protocol import Limits
         from attnx.runtime.server import InferenceServer
 
         files = _model_files(models)
-        batching = BatcherConfig(max_batch, max_delay_ms, max_queue, timeout_ms)
+        batching = _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens)
         limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq)
         server = InferenceServer(
             files, host=host, port=port, batching=batching, limits=limits, device=device, threads=threads,
@@ -97,6 +116,8 @@ def register(app: typer.Typer) -> None:
         max_batch: int = typer.Option(32, "--max-batch", help="In-process: max rows per batch."),
         max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="In-process: max queue delay."),
         max_queue: int = typer.Option(1024, "--max-queue", help="In-process: queue limit."),
+        max_length_ratio: float = typer.Option(1.5, "--max-length-ratio", help="In-process: see serve."),
+        max_batch_tokens: int = typer.Option(0, "--max-batch-tokens", help="In-process: see serve."),
         device: str = typer.Option("auto", help="In-process: auto, cpu or cuda."),
         threads: Optional[int] = typer.Option(None, help="In-process: intra-op threads."),
         report: Optional[Path] = typer.Option(None, help="Also write the numbers as JSON here."),
@@ -131,14 +152,15 @@ def register(app: typer.Typer) -> None:
                 target.factory, pool, concurrency=concurrency, duration_s=duration, label=f"{model} @ {url}"
             )
         else:
-            from attnx.runtime import BatcherConfig, DynamicBatcher, load
+            from attnx.runtime import DynamicBatcher, load
 
             path = Path(model) if model else latest_export()
             if not path.is_file():
                 raise UserError(f"no model file at {path}")
             session = load(path, device=device, threads=threads)
             pool = b.request_pool(session.inputs, lengths, batch=batch)
-            with DynamicBatcher(session, BatcherConfig(max_batch, max_delay_ms, max_queue, None)) as batcher:
+            config = _batching(max_batch, max_delay_ms, max_queue, None, max_length_ratio, max_batch_tokens)
+            with DynamicBatcher(session, config) as batcher:
                 b.run_load(lambda: batcher.infer, pool[:1], concurrency=1, duration_s=0.5)  # warm-up
                 warm = batcher.stats.batches, batcher.stats.rows
                 result = b.run_load(

@@ -18,6 +18,7 @@ used when the package directory is not a writable checkout).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -42,6 +43,7 @@ __all__ = [
     "default_output_dir",
     "find_nvcc",
     "find_cmake",
+    "build_info",
     "plugin_errors",
     "clear_plugin_errors",
 ]
@@ -196,17 +198,26 @@ def _escape(text: str) -> str:
 
 
 def _explain_failure(log: Iterable[str]) -> str:
+    """The cause first (CMake errors, compiler errors), then the tail of the log."""
     lines = list(log)
-    # The CMake files state the cause on lines starting with "attnx plugins:"; show those first.
-    fatal = []
-    for i, line in enumerate(lines):
-        if "attnx plugins:" in line and "CMake Error" not in line and not line.startswith("--"):
-            fatal.append(line.strip())
-        elif "error:" in line or "Error:" in line:
-            fatal.append(line.strip())
+    causes: list[str] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("CMake Error"):
+            body = []
+            i += 1
+            while i < len(lines) and lines[i].strip() and not lines[i].startswith("Call Stack"):
+                body.append(lines[i].strip())
+                i += 1
+            causes.append(" ".join(body) or line)
+            continue
+        if re.search(r"\berror\b", line) and ("error:" in line or ": error" in line):
+            causes.append(line.strip())
+        i += 1
+    causes = list(dict.fromkeys(causes))[:12]
     tail = "\n".join(lines[-25:])
-    head = "\n".join(dict.fromkeys(fatal))[:2000]
-    return (head + "\n--- last lines of the build log ---\n" + tail) if head else tail
+    return ("\n".join(causes) + "\n--- last lines of the build log ---\n" + tail) if causes else tail
 
 
 def build(*, archs: Iterable[str | int] | None = None, clean: bool = False, tensorrt_include: str | os.PathLike | None = None,
@@ -258,6 +269,10 @@ def build(*, archs: Iterable[str | int] | None = None, clean: bool = False, tens
     ]
     if tensorrt_include is not None:
         configure.append(f"-DTENSORRT_INCLUDE_DIR={tensorrt_include}")
+    # Warnings are errors in a checkout (development, CI); not for users compiling an installed
+    # package with whatever compiler they have. $ATTNX_PLUGINS_WERROR=0/1 overrides.
+    werror = os.environ.get("ATTNX_PLUGINS_WERROR", "1" if _is_checkout() else "0").strip().lower()
+    configure.append(f"-DATTNX_WERROR={'OFF' if werror in ('0', 'off', 'false', 'no', '') else 'ON'}")
     jobs = jobs or max(1, os.cpu_count() or 1)
     compile_cmd = [cmake, "--build", str(bdir), "--parallel", str(jobs)]
 
@@ -286,6 +301,21 @@ def _exports(lib: Path, symbol: str) -> bool:
     except OSError:
         return False
     return hasattr(handle, symbol)
+
+
+def build_info(path: str | os.PathLike | None = None) -> dict | None:
+    """What the library at ``path`` (default: :func:`library_path`) was built with: TensorRT header
+    version and source, CUDA version, architectures (``attnx_plugins_build.json`` next to it)."""
+    lib = Path(path) if path else library_path()
+    if lib is None:
+        return None
+    info = Path(lib).parent / "attnx_plugins_build.json"
+    if not info.is_file():
+        return None
+    try:
+        return json.loads(info.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------------------------------- diagnostics

@@ -147,17 +147,23 @@ void log(nvinfer1::ILogger::Severity severity, std::string const& message) noexc
         {
             keepError(message);
         }
-        std::lock_guard<std::mutex> lock(gLoggerMutex);
-        resolveLoggerAbi();
-        if (gAbi != LoggerAbi::kNone)
+        void* logger{nullptr};
+        LoggerAbi abi{LoggerAbi::kNone};
         {
-            void* logger = gLoggerFinder != nullptr ? static_cast<void*>(gLoggerFinder->findLogger()) : nullptr;
-            if (logger == nullptr && gGetLogger != nullptr)
+            // Find the logger under the lock, call it outside (it may take the Python GIL).
+            std::lock_guard<std::mutex> lock(gLoggerMutex);
+            resolveLoggerAbi();
+            abi = gAbi;
+            if (abi != LoggerAbi::kNone)
             {
-                logger = gGetLogger();
+                logger = gLoggerFinder != nullptr ? static_cast<void*>(gLoggerFinder->findLogger()) : nullptr;
+                if (logger == nullptr && gGetLogger != nullptr)
+                {
+                    logger = gGetLogger();
+                }
             }
-            logged = logThrough(logger, gAbi, severity, message.c_str());
         }
+        logged = logThrough(logger, abi, severity, message.c_str());
     }
     catch (...)
     {

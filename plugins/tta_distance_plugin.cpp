@@ -3,6 +3,7 @@
 
 #include "attnx_kernels.h"
 
+#include <cstdint>
 #include <new>
 
 namespace attnx
@@ -14,6 +15,7 @@ namespace
 constexpr char const* kIoNames[] = {"q", "k", "trace", "dist"};
 constexpr int32_t kNbInputs = 3;
 constexpr int32_t kNbOutputs = 1;
+constexpr size_t kWorkspaceAlignment = 256; // the kernels' workspace alignment
 } // namespace
 
 TtaDistancePlugin::TtaDistancePlugin(std::string nodeName)
@@ -154,7 +156,8 @@ size_t TtaDistancePlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc con
     {
         return 0;
     }
-    return attnx_tta_distance_workspace_size(q.d[0], q.d[1], t.d[0], t.d[1], q.d[2], k.d[2], q.d[3]);
+    // + kWorkspaceAlignment: enqueue aligns TensorRT's pointer up to it.
+    return attnx_tta_distance_workspace_size(q.d[0], q.d[1], t.d[0], t.d[1], q.d[2], k.d[2], q.d[3]) + kWorkspaceAlignment;
 }
 
 int32_t TtaDistancePlugin::onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
@@ -188,8 +191,10 @@ int32_t TtaDistancePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         return fail(std::string("cannot run with ") + dataTypeName(inputDesc[0].type) + " inputs");
     }
     size_t const needed = attnx_tta_distance_workspace_size(q.d[0], q.d[1], t.d[0], t.d[1], q.d[2], k.d[2], q.d[3]);
+    auto const address = reinterpret_cast<uintptr_t>(workspace);
+    void* aligned = reinterpret_cast<void*>((address + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment);
     int const status = attnx_tta_distance(dtype, inputs[0], inputs[1], inputs[2], outputs[0], q.d[0], q.d[1], t.d[0],
-        t.d[1], q.d[2], k.d[2], q.d[3], workspace, needed, stream);
+        t.d[1], q.d[2], k.d[2], q.d[3], aligned, needed, stream);
     if (status != 0)
     {
         return fail("kernel launch failed (cudaError " + std::to_string(status) + ") for q " + dimsToString(q) + ", k "

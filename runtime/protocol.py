@@ -262,7 +262,12 @@ def parse_infer_request(
 ) -> InferRequest:
     """Parse and check a whole infer request body against the model's signature."""
     json_part, binary_part = split_body(body, header_length)
-    req = parse_json(json_part)
+    try:
+        req = parse_json(json_part)
+    except BadRequest as e:
+        if header_length is None and b"binary_data_size" in body:
+            raise BadRequest(f"{e.message} (binary tensor data needs the Inference-Header-Content-Length header)")
+        raise
     if not isinstance(req, dict):
         raise BadRequest("request body must be a JSON object")
     request_id = req.get("id")
@@ -333,6 +338,8 @@ def parse_infer_request(
                     f"{size} needed)"
                 )
             arr = np.frombuffer(binary_part, dtype=dtype, count=count, offset=offset).reshape(shape)
+            if not arr.flags.aligned:  # an FP16 tensor of odd length shifts the ones after it
+                arr = arr.copy()
             offset += size
         elif has_data:
             arr = _json_to_array(name, item["data"], dtype, shape, count)

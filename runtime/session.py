@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -470,12 +469,13 @@ def onnx_io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 class EngineSession(Session):
-    """A TensorRT engine, run through ``attnx.runtime.tensorrt_backend``.
+    """A TensorRT engine, run through ``attnx.runtime.tensorrt_backend.load_engine``.
 
-    The adapter owns deserialization and execution; this class only gives it the
-    session interface. Engine execution contexts are not safe to share between
-    threads, so calls are serialized with a lock (the batcher runs one batch at a
-    time per model anyway).
+    The adapter owns deserialization and execution (and serializes calls on its one
+    execution context); this class gives it the session interface. I/O specs come
+    from the build sidecar or the source ONNX (which name the ``batch``/``seq``
+    dims); failing those, from the engine itself, reading its first dynamic dim as
+    ``batch`` and its second as ``seq`` (the export contract's order).
     """
 
     platform = "tensorrt_plan"
@@ -486,27 +486,33 @@ class EngineSession(Session):
             raise FileNotFoundError(f"no engine file at {self.path}")
         try:
             from attnx.runtime import tensorrt_backend
-        except ImportError as e:  # the adapter is optional: TensorRT may be absent entirely
+        except ImportError as e:  # the adapter's own imports may fail where TensorRT is absent
             raise RuntimeError(f"cannot run {self.path.name}: the TensorRT backend is unavailable ({e})") from e
-        loader = None
-        for name in ("load_engine_runner", "load_engine", "EngineRunner"):
-            loader = getattr(tensorrt_backend, name, None)
-            if loader is not None:
-                break
-        if loader is None:
-            raise RuntimeError("attnx.runtime.tensorrt_backend offers no engine loader (load_engine)")
-        self._runner = loader(self.path)
-        self._lock = threading.Lock()
-        inputs, outputs, sidecar = engine_io_specs(self.path, Path(onnx_path) if onnx_path else None)
-        self.inputs = list(getattr(self._runner, "inputs", None) or inputs)
-        self.outputs = list(getattr(self._runner, "outputs", None) or outputs)
+        self._engine = tensorrt_backend.load_engine(self.path)
+        try:
+            self.inputs, self.outputs, sidecar = engine_io_specs(self.path, Path(onnx_path) if onnx_path else None)
+        except FileNotFoundError:
+            sidecar = engine_sidecar(self.path)
+            tensors = getattr(self._engine, "io_tensors", [])
+            self.inputs = [_engine_spec(t, True) for t in tensors if t.is_input]
+            self.outputs = [_engine_spec(t, False) for t in tensors if not t.is_input]
         self.metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in sidecar.items()}
         self.provider = "tensorrt:" + str(sidecar.get("backend", "tensorrt"))
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
-        with self._lock:
-            out = self._runner.run(feeds)
+        out = self._engine.run(feeds)
         return {n: np.asarray(out[n]) for n in output_names}
+
+    def close(self) -> None:
+        close = getattr(self._engine, "close", None)
+        if close is not None:
+            close()
+
+
+def _engine_spec(tensor: Any, is_input: bool) -> TensorSpec:
+    names = iter((BATCH, SEQ))
+    shape = tuple(d if d >= 0 else next(names, "?") for d in tensor.shape)
+    return TensorSpec(tensor.name, np.dtype(tensor.dtype), shape, _default_role(tensor.name, is_input))
 
 
 def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None = None, **opts: Any) -> Session:

@@ -35,6 +35,13 @@ Known traps handled here (see shared/spec/environment.md):
 - Plugins are loaded through ``IPluginRegistry.load_library`` (not ``dlopen``), which
   calls the library's ``getCreators`` / ``setLoggerFinder``.
 - Polygraphy imports a module named ``tensorrt_rtx``: :func:`register_polygraphy_alias`.
+
+Measured with TensorRT-RTX 1.7.1.116 (CPU-only machine): engines build for SM75-SM121 and
+call the plugins' build-time methods; timing caches are no-ops (``timing_cache`` is ignored);
+engines cannot be deserialized without a GPU (:class:`EngineUnavailable`); once the plugin
+library is registered the parser picks the plugin even without the override flag (set anyway,
+as TensorRT documents it); its ``ILoggerFinder::findLogger`` returns null, so the plugins log
+through the library's ``getLogger()`` (and keep their errors for :func:`attnx.plugins.plugin_errors`).
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ __all__ = [
     "network_inputs",
     "network_outputs",
     "parse_target",
+    "apply_target",
     "resolve_profiles",
     "build_engine",
     "Engine",
@@ -619,6 +627,38 @@ def parse_target(target: str | int | None, info: BackendInfo | None = None):
     return cc
 
 
+def apply_target(config, target: str | int | None, info: BackendInfo | None = None) -> str:
+    """Point a builder config at the GPU architecture to build for; returns it as "sm89".
+
+    TensorRT-RTX: the given compute capability (None = the local GPU, which must exist).
+    Full TensorRT: always the local GPU; ``target`` may only name that one."""
+    info = info or backend()
+    if info.is_rtx:
+        cc = parse_target(target, info)
+        if cc is None:
+            local = gpu_compute_capability()
+            if local is None:
+                raise BuildError("TensorRT-RTX needs a target compute capability on a machine without a GPU: pass "
+                                 f"target='sm89' (available: {', '.join(info.targets)})")
+            cc = info.module.ComputeCapability.CURRENT
+            name = f"sm{local[0]}{local[1]}"
+        else:
+            name = str(cc).split(".")[-1].lower()
+        config.num_compute_capabilities = 1
+        config.set_compute_capability(cc, 0)
+        return name
+    local = gpu_compute_capability()
+    if local is None:
+        raise BuildError("full TensorRT builds engines for the local GPU and none was found; use TensorRT for RTX "
+                         "(`pip install attnx[rtx]`) to build for another GPU")
+    wanted = parse_target(target, info)
+    local_sm = local[0] * 10 + local[1]
+    if wanted is not None and wanted != local_sm:
+        raise BuildError(f"full TensorRT builds for the local GPU (sm{local_sm}), not sm{wanted}; build on a "
+                         "machine with that GPU, or use TensorRT for RTX (`pip install attnx[rtx]`)")
+    return f"sm{local_sm}"
+
+
 def resolve_profiles(onnx_path: str | os.PathLike, *, profiles: Mapping[str, Sequence[int]] | None = None,
                      shapes: Mapping[str, Sequence[Sequence[int]]] | None = None,
                      network=None) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
@@ -681,7 +721,8 @@ def build_engine(onnx_path: str | os.PathLike, *, plugins: str | os.PathLike | b
     - ``target``: TensorRT-RTX builds for this compute capability (``"sm89"`` default; None =
       the local GPU). Full TensorRT builds for the local GPU; a different ``target`` is an error.
     - ``profiles`` / ``shapes``: see :func:`resolve_profiles` (default: the model's metadata).
-    - ``timing_cache``: a file read when present and written after the build.
+    - ``timing_cache``: a file read when present and written after the build (full TensorRT;
+      TensorRT-RTX has no timing cache, the argument is ignored there).
     - ``workspace``: workspace memory-pool limit in bytes.
     The network is strongly typed (fp16 comes from an fp16 ONNX; there is no FP16 flag).
     Raises :class:`BuildError` (with the plugins' messages), :class:`ParseError`, ...
@@ -693,25 +734,7 @@ def build_engine(onnx_path: str | os.PathLike, *, plugins: str | os.PathLike | b
     builder, network = parsed.builder, parsed.network
     config = builder.create_builder_config()
 
-    if info.is_rtx:
-        cc = parse_target(target, info)
-        if cc is None:
-            if gpu_compute_capability() is None:
-                raise BuildError("TensorRT-RTX needs a target compute capability on a machine without a GPU: pass "
-                                 f"target='sm89' (available: {', '.join(info.targets)})")
-            cc = trt.ComputeCapability.CURRENT
-        config.num_compute_capabilities = 1
-        config.set_compute_capability(cc, 0)
-    else:
-        local = gpu_compute_capability()
-        if local is None:
-            raise BuildError("full TensorRT builds engines for the local GPU and none was found; use TensorRT for RTX "
-                             "(`pip install attnx[rtx]`) to build for another GPU")
-        wanted = parse_target(target, info)
-        local_sm = local[0] * 10 + local[1]
-        if wanted is not None and wanted != local_sm:
-            raise BuildError(f"full TensorRT builds for the local GPU (sm{local_sm}), not sm{wanted}; build on a "
-                             "machine with that GPU, or use TensorRT for RTX (`pip install attnx[rtx]`)")
+    apply_target(config, target, info)
 
     ranges = resolve_profiles(onnx_path, profiles=profiles, shapes=shapes, network=network)
     if ranges:
@@ -726,6 +749,9 @@ def build_engine(onnx_path: str | os.PathLike, *, plugins: str | os.PathLike | b
         config.builder_optimization_level = int(optimization_level)
 
     cache_path = Path(timing_cache) if timing_cache else None
+    if cache_path is not None and info.is_rtx:
+        _log.debug("timing caches are no-ops in TensorRT-RTX; %s is not used", cache_path)
+        cache_path = None
     if cache_path is not None:
         data = cache_path.read_bytes() if cache_path.is_file() else b""
         cache = config.create_timing_cache(data)

@@ -23,7 +23,7 @@ def sessions(exported):
 
 @pytest.fixture(scope="module")
 def server(sessions):
-    limits = Limits(max_body_bytes=MAX_BODY, max_tensor_elements=1 << 20, max_seq=256)
+    limits = Limits(max_body_bytes=MAX_BODY, max_tensor_elements=100_000, max_seq=256)
     with running_server({"maw": sessions["maw"].path, "smal": sessions["smal"].path}, limits=limits) as s:
         yield s
 
@@ -147,6 +147,7 @@ CASES = {
     "mask-not-zero-one": (lambda: infer(mask_with(data=[1, 1, 2, 1, 1]))),
     "huge-declared-shape": (lambda: infer(hs_with(shape=[1, 10**12, D]))),
     "huge-binary-declared-size": (lambda: infer(*maw_binary(sizes=[10**12, 40]))),
+    "too-many-elements": (lambda: infer(hs_with(shape=[32, 200, D]))),
     "batch-over-max": (lambda: infer(json_body(
         json_tensor("hidden_states", np.zeros((33, 1, D), np.float32)),
         json_tensor("attention_mask", np.ones((33, 1), np.int64))))),

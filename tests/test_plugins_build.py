@@ -130,10 +130,9 @@ def test_cmake_explains_missing_headers(tmp_path):
 
 
 def test_build_info_and_architectures(plugin_lib):
-    info_file = plugin_lib.parent / "attnx_plugins_build.json"
-    if not info_file.is_file():
+    info = plugins.build_info(plugin_lib)
+    if info is None:
         pytest.skip("library not built by this CMake project (no build info)")
-    info = json.loads(info_file.read_text())
     assert int(info["tensorrt_version"].split(".")[0]) >= 10
     if plugin_lib.parent == plugins.default_output_dir().resolve() and info["cuda_archs"] == list(plugins.DEFAULT_ARCHS):
         # SASS for every supported GPU generation plus PTX of the lowest (JIT on newer GPUs).
@@ -154,8 +153,8 @@ def test_headers_are_not_in_the_source_tree():
 @pytest.mark.slow
 def test_single_arch_build_into_a_chosen_folder(plugin_lib, tmp_path):
     """`build(archs=..., build_dir=..., output_dir=...)`: an incremental-capable second build elsewhere."""
-    info_file = plugin_lib.parent / "attnx_plugins_build.json"
-    include = json.loads(info_file.read_text())["tensorrt_include_dir"] if info_file.is_file() else None
+    info = plugins.build_info(plugin_lib)
+    include = info["tensorrt_include_dir"] if info else None
     lib = plugins.build(archs=["sm_89"], build_dir=tmp_path / "build", output_dir=tmp_path / "lib",
                         tensorrt_include=include)
     assert lib == tmp_path / "lib" / plugins.LIBRARY_NAME
@@ -320,7 +319,7 @@ int main() {
     for (int pos = 0; pos < 4; ++pos) CHECK(tb->supportsFormatCombination(pos, tio, 3, 1));
     CHECK(tb->configurePlugin(tio, 3, tio + 3, 1) == 0);
     size_t ws = tb->getWorkspaceSize(tio, 3, tio + 3, 1);
-    CHECK(ws > 0 && ws == attnx_tta_distance_workspace_size(2, 4, 2, 1, 7, 9, 16));
+    CHECK(ws == attnx_tta_distance_workspace_size(2, 4, 2, 1, 7, 9, 16) + 256);  // + room to align the pointer
     tio[2].max = dims({2, 1, 12, 12});
     CHECK(tb->configurePlugin(tio, 3, tio + 3, 1) != 0);
     CHECK(saw("attnx::TtaDistance node 'tta_node': trace size differs"));
@@ -343,10 +342,9 @@ int main() {
 def test_plugin_logic_through_tensorrt_interfaces(plugin_lib, tmp_path):
     """Creators, PluginField (de)serialization, type/format/shape checks with node-named messages,
     workspace size, and logging through setLoggerFinder's ILogger (TensorRT 10 ABI)."""
-    info_file = plugin_lib.parent / "attnx_plugins_build.json"
-    if not info_file.is_file():
+    info = plugins.build_info(plugin_lib)
+    if info is None:
         pytest.skip("no build info next to the library (not built by attnx plugins build)")
-    info = json.loads(info_file.read_text())
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     if cxx is None:
         pytest.skip("no C++ compiler")

@@ -156,9 +156,9 @@ def test_load_refuses_unknown_and_missing_files(tmp_path):
 def test_engine_that_cannot_run_here_fails_clearly(tmp_path):
     engine = tmp_path / "model.engine"
     engine.write_bytes(b"not an engine")
-    with pytest.raises(Exception) as info:
+    with pytest.raises(Exception) as info:  # no GPU here, or not an engine: either way a clear error
         load(engine)
-    assert str(info.value)  # one readable line, not a crash of the interpreter
+    assert "model.engine" in str(info.value) or "engine" in str(info.value).lower()
 
 
 def test_metadata_names_dims_the_file_left_anonymous():

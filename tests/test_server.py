@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -127,6 +128,17 @@ def test_concurrent_variable_length_requests_are_batched_over_http(paths, sessio
     total = buckets["+Inf"]
     assert total < len(requests)  # fewer batches than requests...
     assert buckets["1.0"] < total  # ...and some batch had more than one row
+
+
+def test_small_requests_are_not_held_back_by_nagle(server, client, sessions):
+    """A response goes out in two writes; without TCP_NODELAY each one waited ~40 ms for a delayed ACK."""
+    feeds = request(sessions["maw"], rows=1, length=4, seed=1)
+    times = []
+    for _ in range(20):
+        started = time.perf_counter()
+        triton_infer(client, "maw", feeds)
+        times.append(time.perf_counter() - started)
+    assert float(np.median(times)) < 0.035, times
 
 
 def test_metrics_histograms_and_counters(server, client, sessions):
@@ -330,3 +342,22 @@ def _post_infer(server, model: str, body: bytes, json_size: int | None) -> tuple
         out = data["outputs"][0]
         data = {"output": np.array(out["data"], dtype=np.float32).reshape(out["shape"])}
     return r.status_code, data
+
+
+def test_serve_takes_the_latest_export_and_names_models(tmp_path, monkeypatch):
+    from attnx.cli._common import UserError
+    from attnx.cli.serve_cmd import _model_files
+    from attnx.runtime.server import parse_model_args
+
+    monkeypatch.setenv("ATTNX_WORKDIR", str(tmp_path))
+    with pytest.raises(UserError, match="no ONNX export"):
+        _model_files(None)
+    old, new = tmp_path / "old.onnx", tmp_path / "new.onnx"
+    old.write_bytes(b"x")
+    new.write_bytes(b"x")
+    os.utime(old, (1, 1))
+    assert _model_files(None) == {"new": new}
+    assert parse_model_args(["a/b/maw.onnx", "fast=a/smal.onnx"]) == [("maw", Path("a/b/maw.onnx")),
+                                                                      ("fast", Path("a/smal.onnx"))]
+    with pytest.raises(UserError, match="two models named"):
+        _model_files([str(old), f"old={new}"])
