@@ -1,7 +1,188 @@
-"""Work in progress: this command group is being written (see the open issues)."""
+"""`attnx demo`: the main job end to end, for every variant.
+
+export -> plugins (built once) -> build-engine --fp16 -> check, then one summary table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
+from attnx.cli._common import UserError, console, err_console, guarded
+
+
+@dataclass
+class _Row:
+    variant: str
+    export: str = "-"
+    plugin_layers: str = "-"
+    engine: str = "-"
+    check: str = "-"
+    errors: str = "-"
+    seconds: float = 0.0
+    ok: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+def _first_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    @app.command("demo")
+    @guarded
+    def demo(
+        wd: Path = typer.Option(Path("attnx-out"), "--workdir", help="Working folder for every output."),
+        variants: List[str] = typer.Option([], "--variants", help="Variants to run (comma-separated or repeated; "
+                                           "default: all)."),
+        sets: List[str] = typer.Option([], "--set", help="Config option key=value for every variant "
+                                       "(default config: d_model 256, 4 heads, 2 layers)."),
+        target: Optional[str] = typer.Option(None, "--target", help="Engine target (default: the local GPU, "
+                                             "else sm89)."),
+    ) -> None:
+        """Every variant: export -> plugins -> build-engine --fp16 -> check; one summary table."""
+        from rich.markup import escape
+        from rich.table import Table
+
+        from attnx.cli.engine_cmd import build_engine_cmd, check_cmd
+        from attnx.cli.export_cmd import parse_sets
+        from attnx.export.exporter import default_path, export_variant
+        from attnx.models.registry import VARIANTS
+        from attnx.runtime import engine as eng
+
+        names = [v.strip() for item in variants for v in item.split(",") if v.strip()] or list(VARIANTS)
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown:
+            raise UserError(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+        overrides = {v: parse_sets(v, sets) for v in names}
+        wd.mkdir(parents=True, exist_ok=True)
+        os.environ["ATTNX_WORKDIR"] = str(wd)  # the commands' "most recent export" and parity folder
+        started = time.monotonic()
+        console.rule(f"attnx demo: {', '.join(names)} -> {escape(str(wd))}/")
+
+        # TensorRT and the plugins once, up front: without them the demo still exports and checks.
+        from attnx.runtime import tensorrt_backend as tb
+
+        trt_problem = None
+        try:
+            console.print(f"TensorRT backend: {tb.backend().describe()}")
+        except tb.TensorRTError as e:
+            trt_problem = eng.explain(e)
+            err_console.print(f"[yellow]no engines:[/yellow] {escape(trt_problem)}")
+        plugin_problem = None
+        if trt_problem is None:
+            from attnx import plugins as plugin_pkg
+
+            lib = plugin_pkg.library_path()
+            if lib is None:
+                try:
+                    lib = plugin_pkg.build(console=console)
+                except plugin_pkg.PluginBuildError as e:
+                    plugin_problem = _first_line(e)
+                    err_console.print(f"[yellow]plugin library not built:[/yellow] {escape(plugin_problem)}")
+            if lib is not None:
+                console.print(f"plugin library: {escape(str(lib))}")
+
+        rows: list[_Row] = []
+        for variant in names:
+            row = _Row(variant)
+            rows.append(row)
+            t0 = time.monotonic()
+            console.rule(f"[bold]{variant}[/bold]")
+            # 1. export (fp32, plugin lowering, default small config)
+            try:
+                with console.status(f"{variant}: export"):
+                    res = export_variant(variant, default_path(variant, "plugin", False, wd),
+                                         overrides=overrides[variant])
+                params = sum(p.numel() for p in res.model.parameters())
+                row.export = f"{res.path.name} ({params / 1e6:.2f}M params)"
+                console.print(f"exported {escape(str(res.path))} in {time.monotonic() - t0:.1f}s", highlight=False)
+            except Exception as e:  # noqa: BLE001 - one variant failing must not stop the others
+                row.export, row.ok = f"[red]failed[/red]", False
+                row.notes.append(f"export: {_first_line(e)}")
+                row.seconds = time.monotonic() - t0
+                continue
+            # 2. build-engine --fp16
+            engine_path = None
+            fp16_model = None
+            if trt_problem is None:
+                try:
+                    built = build_engine_cmd(res.path, None, True, target, [], None, None, None, None, quiet=True)
+                    engine_path, fp16_model = built.engine_path, built.onnx_path
+                    custom = built.custom_nodes
+                    row.plugin_layers = (f"{built.plugin_layers}/{custom}" if custom else "0 (none needed)")
+                    if built.inlined_custom_nodes:
+                        row.plugin_layers += f" [yellow]{built.inlined_custom_nodes} inlined[/yellow]"
+                    row.engine = f"{_size(built.engine_bytes)} {built.sidecar['target']}"
+                    console.print(f"engine {escape(str(engine_path))}: {_size(built.engine_bytes)}, "
+                                  f"{built.plugin_layers} plugin layer(s), built in {built.sidecar['build_seconds']:.1f}s",
+                                  highlight=False)
+                except (UserError, typer.Exit) as e:
+                    row.engine, row.ok = "[red]failed[/red]", False
+                    row.notes.append(f"build-engine: {_first_line(e)}")
+                except Exception as e:  # noqa: BLE001
+                    row.engine, row.ok = "[red]failed[/red]", False
+                    row.notes.append(f"build-engine: {type(e).__name__}: {_first_line(e)}")
+            else:
+                row.engine = "[yellow]skipped[/yellow]"
+            if fp16_model is None:  # no engine: still check the fp16 model
+                try:
+                    fp16_model, _ = eng.ensure_fp16(res.path)
+                except Exception as e:  # noqa: BLE001
+                    row.check, row.ok = "[red]failed[/red]", False
+                    row.notes.append(f"fp16: {_first_line(e)}")
+                    row.seconds = time.monotonic() - t0
+                    continue
+            # 3. check (fp16 model, both lowerings, engine where it can run)
+            try:
+                report, report_path = check_cmd(fp16_model, engine_path, None, [], no_engine=engine_path is None,
+                                                wd=wd, quiet=True)
+                ties = f", {len(report.ties)} tie(s)" if report.ties else ""
+                if report.passed:
+                    row.check = f"[green]pass[/green]{ties}"
+                else:
+                    row.check, row.ok = "[bold red]FAIL[/bold red]", False
+                    row.notes.extend(report.mismatches())
+                if report.engine is not None and not report.engine.get("ran"):
+                    row.check += " (engine not run)"
+                errs = report.max_errors()
+                row.errors = ", ".join(f"{k} {v:.2g}" for k, v in errs.items())
+                console.print(f"check: {report.verdict} ({len(report.comparisons)} comparisons, "
+                              f"{len(report.cases)} cases) in {report.seconds:.1f}s; report {escape(str(report_path))}",
+                              highlight=False)
+            except (UserError, typer.Exit) as e:
+                row.check, row.ok = "[red]error[/red]", False
+                row.notes.append(f"check: {_first_line(e)}")
+            except Exception as e:  # noqa: BLE001
+                row.check, row.ok = "[red]error[/red]", False
+                row.notes.append(f"check: {type(e).__name__}: {_first_line(e)}")
+            row.seconds = time.monotonic() - t0
+
+        table = Table(title=f"attnx demo ({time.monotonic() - started:.0f}s)", header_style="bold")
+        for col in ("variant", "export", "plugin layers", "engine (fp16)", "check", "max errors", "time"):
+            table.add_column(col, justify="right" if col == "time" else "left")
+        for r in rows:
+            table.add_row(r.variant, r.export, r.plugin_layers, r.engine, r.check, r.errors, f"{r.seconds:.0f}s")
+        console.rule()
+        console.print(table)
+        if trt_problem is None:
+            from attnx.runtime import tensorrt_backend as tb2
+
+            if tb2.gpu_compute_capability() is None:
+                console.print("[dim]engines were built but not run: no CUDA GPU here (check compared the PyTorch "
+                              "reference with ONNX Runtime on both lowerings)[/dim]")
+        for r in rows:
+            for note in r.notes:
+                err_console.print(f"[red]{r.variant}:[/red] {escape(note)}", highlight=False)
+        if not all(r.ok for r in rows):
+            raise typer.Exit(1)

@@ -1,7 +1,252 @@
-"""Work in progress: this command group is being written (see the open issues)."""
+"""`attnx build-engine` and `attnx check`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 
+from attnx.cli._common import UserError, console, err_console, guarded, latest_export, state, workdir
+
+BUILD_STEPS = ("fp16", "plugins", "parse", "build", "write")
+BUILD_LABELS = {"fp16": "fp16 ONNX", "plugins": "plugin library", "parse": "parse (plugin override)",
+                "build": "build engine", "write": "write engine + sidecar"}
+CHECK_STEPS = ("reference", "engine", "lowering", "run", "compare")
+CHECK_LABELS = {"reference": "PyTorch reference", "engine": "engine", "lowering": "other lowering",
+                "run": "run (Polygraphy Comparator)", "compare": "compare"}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+@contextlib.contextmanager
+def user_errors():
+    """The engine/parity/adapter exceptions as one-line :class:`UserError` s."""
+    from attnx.runtime import engine as eng
+    from attnx.runtime import parity
+
+    try:
+        from attnx.runtime import tensorrt_backend as tb
+        trt_errors: tuple = (tb.TensorRTError,)
+    except ImportError:  # pragma: no cover - the adapter imports nothing heavy at module level
+        trt_errors = ()
+    try:
+        yield
+    except (eng.EngineBuildError, parity.ParityError) as e:
+        raise UserError(_one_line(e), code=2) from e
+    except trt_errors as e:  # type: ignore[misc]
+        raise UserError(eng.explain(e), code=1) from e
+    except FileNotFoundError as e:
+        raise UserError(_one_line(e), code=2) from e
+
+
+class _Steps:
+    """A Rich progress line per run: the current step and the time spent."""
+
+    def __init__(self, title: str, steps: tuple[str, ...], labels: dict[str, str], quiet: bool = False):
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.title = title
+        self.steps = steps
+        self.labels = labels
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                 console=console, transient=True, disable=quiet)
+        self.task = None
+        self.times: dict[str, float] = {}
+        self._current: str | None = None
+        self._started = 0.0
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.task = self.progress.add_task(self.title, total=len(self.steps))
+        return self
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        if self._current is not None:
+            self.times[self._current] = self.times.get(self._current, 0.0) + now - self._started
+        self._current, self._started = name, now
+        done = self.steps.index(name) if name in self.steps else 0
+        self.progress.update(self.task, description=f"{self.title}: {self.labels.get(name, name)}", completed=done)
+
+    def __exit__(self, *exc):
+        if self._current is not None:
+            self.times[self._current] = self.times.get(self._current, 0.0) + time.monotonic() - self._started
+        return self.progress.__exit__(*exc)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def build_engine_cmd(model: Optional[Path], output: Optional[Path], fp16: bool, target: Optional[str],
+                     shapes: list[str], timing_cache: Optional[Path], workspace: Optional[str],
+                     plugins: Optional[Path], opt_level: Optional[int], quiet: bool = False):
+    """The body of `attnx build-engine` (also used by `attnx demo`); returns the EngineBuild."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from attnx.runtime import engine as eng
+
+    with user_errors():
+        shape_overrides = eng.parse_shapes(shapes)
+        eng.parse_size(workspace)
+        model = model or latest_export()
+        with _Steps(f"build-engine {model.name}", BUILD_STEPS, BUILD_LABELS, quiet=quiet) as steps:
+            result = eng.build(model, output, fp16=fp16, target=target, shapes=shape_overrides,
+                               timing_cache=timing_cache, workspace=workspace, plugins=plugins,
+                               optimization_level=opt_level, console=console, progress=steps)
+    sc = result.sidecar
+    if quiet:
+        return result
+    if result.converted_fp16:
+        console.print(f"wrote the fp16 model [bold]{escape(str(result.onnx_path))}[/bold] (to_fp16: softmax, "
+                      "LayerNorm and reductions kept in fp32)", highlight=False)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_row("engine", f"[bold]{escape(str(result.engine_path))}[/bold] ({_size(result.engine_bytes)})")
+    table.add_row("sidecar", escape(str(result.sidecar_path)))
+    table.add_row("from", f"{escape(str(result.onnx_path))} ({sc['precision']}, {sc.get('lowering') or '?'} lowering)")
+    table.add_row("backend", f"{sc['backend_description']}, target {sc['target']}")
+    table.add_row("profiles", ", ".join(f"{k}={'/'.join(map(str, v))}" for k, v in sc["profiles"].items()))
+    custom = sum(sc["custom_nodes"].values())
+    if custom:
+        kinds = ", ".join(f"{k} x{v}" for k, v in sc["custom_nodes"].items())
+        style = "green" if result.inlined_custom_nodes == 0 else "yellow"
+        table.add_row("plugin layers", f"[{style}]{result.plugin_layers} plugin layers, "
+                      f"{result.inlined_custom_nodes} inlined[/{style}] (custom nodes: {kinds})")
+    else:
+        table.add_row("plugin layers", "0 (no attnx custom ops in this model)")
+    layers = sorted(result.layers.items(), key=lambda kv: -kv[1])
+    table.add_row("layers", f"{sum(result.layers.values())}: " + ", ".join(f"{k} {v}" for k, v in layers[:8])
+                  + (" ..." if len(layers) > 8 else ""))
+    table.add_row("time", f"{result.seconds:.1f}s (TensorRT build {sc['build_seconds']:.1f}s)")
+    console.print(table, highlight=False)
+    if result.inlined_custom_nodes:
+        err_console.print(f"[yellow]warning:[/yellow] {result.inlined_custom_nodes} attnx custom node(s) were "
+                          "inlined instead of becoming plugin layers (is the plugin library loaded?)")
+    return result
+
+
+def render_report(report, report_path: Path | None = None) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"parity of {escape(report.model.name)} ({report.variant}, {report.precision}) with the "
+                        f"PyTorch reference; cases {', '.join(c.label() for c in report.cases)}",
+                  header_style="bold")
+    for col in ("runner", "output", "max abs", "max rel", "mean abs", "result"):
+        table.add_column(col, justify="right" if col in ("max abs", "mean abs", "max rel") else "left", no_wrap=True)
+    for c in report.comparisons:
+        result = "[green]pass[/green]" if c.passed else "[bold red]FAIL[/bold red]"
+        if c.passed and c.ties and c.output == "maw_depth":
+            result = f"[yellow]pass, {c.ties} tie{'s' if c.ties != 1 else ''}[/yellow]"
+        table.add_row(c.runner, c.output, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.mean_abs:.2g}", result)
+    console.print(table)
+    tols = []
+    for name, (atol, rtol, mean_atol) in report.tolerances.items():
+        tols.append(f"{name} exact" if atol == 0 and rtol == 0 else
+                    f"{name} per element abs <= {atol:g} or rel <= {rtol:g}, mean abs <= {mean_atol:g}")
+    console.print(f"[dim]tolerances ({report.precision}): {'; '.join(tols)}[/dim]", highlight=False)
+    for t in report.ties:
+        console.print(f"[yellow]depth tie:[/yellow] {t['runner']} case {report.cases[t['iteration']].label()} row "
+                      f"{t['row']}: depth {t['depth']} vs reference {t['reference_depth']} at policy-logit margin "
+                      f"{t['margin']:.2g} (< {t['tie_margin']:g}); row left out of the statistics", highlight=False)
+    if report.engine is not None and not report.engine.get("ran"):
+        console.print(f"[yellow]engine not run here:[/yellow] {escape(report.engine.get('reason', ''))}; "
+                      "everything else was checked", highlight=False)
+    elif report.engine is None:
+        console.print("[dim]no engine checked (build one with `attnx build-engine`, or pass --engine)[/dim]")
+    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
+    if report.passed and report.ties:
+        verdict += f" [yellow]({len(report.ties)} maw depth tie(s) at near-equal policy logits, reported above)[/yellow]"
+    console.print(f"{verdict} in {report.seconds:.1f}s"
+                  + (f"; report: {escape(str(report_path))}" if report_path else ""), highlight=False)
+
+
+def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Optional[Path], cases: list[str],
+              no_engine: bool = False, wd: Optional[Path] = None, quiet: bool = False):
+    """The body of `attnx check` (also used by `attnx demo`); returns (report, report_path)."""
+    from rich.markup import escape
+
+    from attnx.runtime import engine as eng
+    from attnx.runtime import parity
+
+    wd = wd or workdir()
+    with user_errors():
+        if model is None and engine is not None:
+            sidecar = eng.read_sidecar(engine) if engine.is_file() else None
+            candidates = [Path(sidecar["onnx"]), engine.parent / sidecar.get("onnx_name", "")] if sidecar else []
+            model = next((c for c in candidates if c.is_file()), None)
+            if model is not None and not quiet:
+                err_console.print(f"[dim]using the ONNX the engine was built from: {model}[/dim]")
+        model = model or latest_export()
+        if engine is None and not no_engine:
+            engine = parity.find_engine_for(model)
+            if engine is not None and not quiet:
+                err_console.print(f"[dim]using the engine built from it: {engine}[/dim]")
+        with _Steps(f"check {model.name}", CHECK_STEPS, CHECK_LABELS, quiet=quiet) as steps:
+            report = parity.run_check(model, engine=engine, workdir=wd, case_specs=cases or None,
+                                      verbose=state.verbose, progress=steps)
+    if report_path is None:
+        report_path = wd / "parity" / f"{model.stem}.parity.json"
+    report.write(report_path)
+    if not quiet:
+        render_report(report, report_path)
+    if not report.passed and not quiet:
+        err_console.print("[bold red]error:[/bold red] parity mismatch: " + escape("; ".join(report.mismatches())),
+                          highlight=False)
+    return report, report_path
+
+
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    @app.command("build-engine")
+    @guarded
+    def build_engine(
+        model: Optional[Path] = typer.Argument(None, help="The .onnx (default: the most recent export)."),
+        output: Optional[Path] = typer.Option(None, "-o", "--output",
+                                              help="Engine file (default: <model>.engine beside the ONNX)."),
+        fp16: bool = typer.Option(False, "--fp16", help="Build from the fp16 ONNX (written as <stem>-fp16.onnx when "
+                                  "the model is fp32): TensorRT 11 / TensorRT-RTX have no FP16 flag."),
+        target: Optional[str] = typer.Option(None, "--target", help="Compute capability to build for, e.g. sm89, "
+                                             "sm86, sm120 (TensorRT-RTX; default: the local GPU, else sm89)."),
+        shapes: List[str] = typer.Option([], "--shapes", help="Profile override axis=min,opt,max (repeatable), "
+                                         "e.g. --shapes batch=1,4,16 --shapes seq=1,64,256."),
+        timing_cache: Optional[Path] = typer.Option(None, "--timing-cache",
+                                                    help="Timing cache file (read if present, written after)."),
+        workspace: Optional[str] = typer.Option(None, "--workspace", help="Workspace memory limit, e.g. 1G, 512M."),
+        plugins: Optional[Path] = typer.Option(None, "--plugins", help="Plugin library (default: the built "
+                                               "libattnx_plugins.so, built if missing and needed)."),
+        opt_level: Optional[int] = typer.Option(None, "--opt-level", min=0, max=5,
+                                                help="Builder optimization level (0-5)."),
+    ) -> None:
+        """Build a TensorRT engine (our plugins inside) plus a JSON sidecar."""
+        result = build_engine_cmd(model, output, fp16, target, shapes, timing_cache, workspace, plugins, opt_level)
+        typer.echo(str(result.engine_path))
+
+    @app.command("check")
+    @guarded
+    def check(
+        model: Optional[Path] = typer.Argument(None, help="The .onnx (default: the most recent export, or the one "
+                                               "--engine was built from)."),
+        engine: Optional[Path] = typer.Option(None, "--engine", help="Engine to include (default: <model>.engine "
+                                              "when it was built from this file)."),
+        report: Optional[Path] = typer.Option(None, "--report", help="JSON report path (default: "
+                                              "<workdir>/parity/<model>.parity.json)."),
+        cases: List[str] = typer.Option([], "--case", help="Input case BATCHxSEQ (repeatable; default: several "
+                                        "inside the profiles)."),
+        no_engine: bool = typer.Option(False, "--no-engine", help="Do not look for an engine."),
+    ) -> None:
+        """Parity with Polygraphy: the PyTorch reference vs ONNX Runtime (both lowerings) and the engine."""
+        rep, _path = check_cmd(model, engine, report, cases, no_engine=no_engine)
+        if not rep.passed:
+            raise typer.Exit(1)

@@ -169,7 +169,11 @@ def register(app: typer.Typer) -> None:
                 )
                 batches = batcher.stats.batches - warm[0]
                 result.mean_batch_rows = (batcher.stats.rows - warm[1]) / batches if batches else None
-        console.print(b.render([result], title=f"attnx bench: seq {lengths}, batch {batch}"))
+        from rich.console import Console
+
+        # A pipe gets 80 columns by default, too narrow for the table: widen it there.
+        out = console if console.is_terminal else Console(width=160)
+        out.print(b.render([result], title=f"attnx bench: seq {lengths}, batch {batch}"))
         if report:
             report.write_text(json.dumps(result.summary(), indent=2))
         if result.ok == 0:
@@ -190,7 +194,7 @@ def register(app: typer.Typer) -> None:
         onnx: Optional[Path] = typer.Option(None, help="For an engine: the ONNX it was built from (I/O names)."),
     ) -> None:
         """Write a Triton Inference Server model repository (config.pbtxt checked with Triton's schema)."""
-        from attnx.runtime.triton_repo import write_repository
+        from attnx.runtime.triton_repo import schema_problem, write_repository
 
         path = model or latest_export()
         if not path.is_file():
@@ -203,7 +207,9 @@ def register(app: typer.Typer) -> None:
             max_queue_size=max_queue, instance_kind=instance_kind, instance_count=instances,
             plugin_library=plugin, onnx_path=onnx,
         )
-        console.print(f"wrote {model_dir}/config.pbtxt (valid for Triton's schema) and {model_dir}/1/")
+        problem = schema_problem()
+        checked = "checked with Triton's schema" if problem is None else "NOT checked: " + problem
+        console.print(f"wrote {model_dir}/config.pbtxt ({checked}) and {model_dir}/1/")
         plugins = sorted((repo / "plugins").glob("*.so*")) if (repo / "plugins").is_dir() else []
         if plugins:
             console.print(f"plugin library: {plugins[0]}")

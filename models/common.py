@@ -117,7 +117,8 @@ def check_inputs(specs: Sequence[InputSpec], values: dict, *, optional: Sequence
             try:
                 check_tensor(dataclasses.replace(spec, shape=spec.shape[1:]), value, dims)
             except ValueError as e:  # name the batched form too: the rank alone may be the mistake
-                batched = ", ".join(f"{d}={dims[d]}" if isinstance(d, str) and d in dims else str(d) for d in spec.shape)
+                batched = ", ".join(f"{d}={dims[d]}" if isinstance(d, str) and d in dims else str(d)
+                                    for d in spec.shape)
                 raise ValueError(f"{e} (or the batched form [{batched}])") from None
             continue
         check_tensor(spec, value, dims)
@@ -152,8 +153,17 @@ def masked_softmax(scores: torch.Tensor, bias: torch.Tensor | None, row_valid: t
     """softmax over keys with padded keys at exactly 0 and fully masked rows at 0."""
     if bias is None:
         return scores.softmax(dim=-1)
-    pattern = (scores + bias).softmax(dim=-1)
+    pattern = _no_overflow(scores + bias).softmax(dim=-1)
     return pattern * row_valid.to(pattern.dtype)
+
+
+def _no_overflow(logits: torch.Tensor) -> torch.Tensor:
+    """fp16 eager only: dtype-min plus a score below -16 rounds to -inf, and a row of -inf gives NaN
+    (which the row-validity product keeps). Clamp back to dtype-min. (fp32/bf16 cannot overflow here;
+    exported graphs are traced in fp32 and left as they are.)"""
+    if logits.dtype == torch.float16 and not torch.compiler.is_exporting():
+        return logits.clamp_min(torch.finfo(logits.dtype).min)
+    return logits
 
 
 def masked_mean(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -300,7 +310,7 @@ class AttentionBase(nn.Module):
 
     def attend_fused(self, q, k, v, bias, row_valid, *, extra_bias=None, scale=None) -> torch.Tensor:
         """Fused path (one ONNX ``Attention`` node): softmax(q k^T * scale + bias + extra_bias) v."""
-        attn_mask = bias if extra_bias is None else (extra_bias if bias is None else bias + extra_bias)
+        attn_mask = bias if extra_bias is None else (extra_bias if bias is None else _no_overflow(bias + extra_bias))
         z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale if scale is None else scale,
                                            dropout_p=self.config.dropout if self.training else 0.0)
         return z if row_valid is None else z * row_valid.to(z.dtype)

@@ -21,8 +21,9 @@ Rules, all derived from the model's own dims (dim_param ``batch`` / ``seq``):
   but never more than ``max_batch_size``.
 - Queue limit: ``submit`` refuses at once (:class:`QueueFullError`) when
   ``max_queue_size`` requests are waiting; nothing queues forever.
-- Per-request timeout: a request still waiting at its deadline fails with
-  :class:`RequestTimeoutError`; once in a running batch it completes.
+- Per-request timeout: a request never starts after its deadline; it fails with
+  :class:`RequestTimeoutError` when the worker next forms a batch (so a caller
+  may hear it only after the batch running then). Once in a batch it completes.
 - A request may omit ``attention_mask``: all ones for its length.
 
 One worker thread per batcher pulls from the queue, so the model runs one batch

@@ -122,10 +122,16 @@ def run_load(
 
     def client(index: int) -> None:
         rng = np.random.default_rng(seed + index)
-        call = call_factory()
         latencies: list[float] = []
         ok = rows = tokens = 0
         errors: Counter = Counter()
+        try:
+            call = call_factory()
+        except Exception as e:  # noqa: BLE001 - still meet the others at the barrier
+            with lock:
+                result.errors[_error_kind(e)] += 1
+            start_barrier.wait()
+            return
         start_barrier.wait()
         while time.perf_counter() < stop_at[0]:
             with lock:

@@ -21,10 +21,13 @@ adapter's exceptions; :func:`explain` turns any of them into one line.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime as _dt
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +67,36 @@ CUSTOM_DOMAIN = "attnx"
 
 class EngineBuildError(ValueError):
     """A user-fixable problem with a build request (bad shapes, unreadable file, ...)."""
+
+
+# ============================================================================ native output
+
+
+@contextlib.contextmanager
+def native_stdout_to_stderr():
+    """Send what native code prints on stdout (TensorRT-RTX prints some warnings there, bypassing
+    its logger) to stderr while the block runs, so stdout stays machine-readable."""
+    try:
+        out_fd = sys.stdout.fileno()
+        err_fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # pytest capture, no real file descriptors
+        yield
+        return
+    libc = None
+    with contextlib.suppress(OSError):
+        libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    saved = os.dup(out_fd)
+    try:
+        os.dup2(err_fd, out_fd)
+        yield
+    finally:
+        if libc is not None:
+            with contextlib.suppress(Exception):
+                libc.fflush(None)
+        sys.stdout.flush()
+        os.dup2(saved, out_fd)
+        os.close(saved)
 
 
 # ============================================================================ small parsers
@@ -186,6 +219,29 @@ def _precision(info, proto) -> str:
     return "fp32"
 
 
+def _same_fp16(dst: Path, src: Path, info, source_sha: str) -> bool:
+    """Whether ``dst`` is an fp16 version of ``src``: converted from it (its sha256 recorded), or
+    an fp16 export (``attnx export --fp16``) of the same variant, config, lowering and weights."""
+    from attnx.export.exporter import sha256_file
+    from attnx.export.metadata import read_metadata
+
+    try:
+        existing = read_metadata(dst)
+    except Exception:
+        return False
+    if existing is None or existing.precision != "fp16":
+        return False
+    if existing.extra.get("fp16_source_sha256") == source_sha:
+        return True
+    if info is None or not info.weights or not existing.weights:
+        return False
+    if (existing.variant, existing.config, existing.lowering, existing.profiles) != \
+            (info.variant, info.config, info.lowering, info.profiles):
+        return False
+    a, b = src.parent / info.weights, dst.parent / existing.weights
+    return a.is_file() and b.is_file() and sha256_file(a) == sha256_file(b)
+
+
 def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None) -> tuple[Path, bool]:
     """An fp16 version of ``path``: ``(path, False)`` when it already is fp16, else
     ``(<stem>-fp16.onnx, True)`` converted with :func:`attnx.export.to_fp16` (softmax,
@@ -203,14 +259,8 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
         return src, False
     dst = Path(output) if output else fp16_path(src)
     source_sha = sha256_file(src)
-    if dst.is_file():
-        try:
-            existing = read_metadata(dst)
-        except Exception:
-            existing = None
-        if existing is not None and existing.extra.get("fp16_source_sha256") == source_sha \
-                and existing.precision == "fp16":
-            return dst, False
+    if dst.is_file() and _same_fp16(dst, src, info, source_sha):
+        return dst, False
     full = _load_onnx(src, with_data=True)
     converted = to_fp16(full)
     if info is not None:
@@ -438,21 +488,23 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
                                f"range (no attnx metadata?): pass --shapes {missing_axes[0]}=min,opt,max")
 
     step("parse")
-    parsed = tb.parse_onnx(src, plugins=lib if lib is not None else False)
+    with native_stdout_to_stderr():
+        parsed = tb.parse_onnx(src, plugins=lib if lib is not None else False)
     layers = parsed.layer_type_counts()
     plugin_layer_list = parsed.plugin_layers()
     n_plugin = len(plugin_layer_list)
     inlined = max(0, n_custom - n_plugin)
+    attention = prepare_attention(parsed.network)
     profile_shapes = tb.resolve_profiles(src, profiles=profiles, network=parsed.network)
     inputs, outputs = _bindings(info, proto)
-    del parsed  # build_engine parses again with the same settings
 
     step("build")
     build_started = time.monotonic()
-    plan = tb.build_engine(src, plugins=lib if lib is not None else False, target=target, profiles=profiles,
-                           timing_cache=timing_cache, workspace=parse_size(workspace),
-                           optimization_level=optimization_level)
+    with native_stdout_to_stderr():
+        plan = build_plan(parsed, target=target, profile_shapes=profile_shapes, timing_cache=timing_cache,
+                          workspace=parse_size(workspace), optimization_level=optimization_level)
     build_seconds = time.monotonic() - build_started
+    del parsed
 
     step("write")
     engine_path = Path(output) if output else default_engine_path(src)
@@ -488,6 +540,7 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
         "plugin_layer_names": [name for name, _ in plugin_layer_list],
         "custom_nodes": customs,
         "inlined_custom_nodes": inlined,
+        "attention": attention,
         "timing_cache": (str(timing_cache) if timing_cache and not info_backend.is_rtx else None),
         "workspace": parse_size(workspace),
         "attnx_version": attnx.__version__,
@@ -501,6 +554,111 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     return EngineBuild(engine_path=engine_path, sidecar_path=side, sidecar=sidecar, onnx_path=src,
                        converted_fp16=converted, layers=layers, plugin_layers=n_plugin, custom_nodes=n_custom,
                        inlined_custom_nodes=inlined, seconds=time.monotonic() - started)
+
+
+# ============================================================================ TensorRT network and plan
+
+
+def _layers(network):
+    for i in range(network.num_layers):
+        yield network.get_layer(i)
+
+
+def prepare_attention(network) -> dict:
+    """Make the ONNX ``Attention`` layers buildable by TensorRT-RTX 1.7 (measured here):
+
+    - they are marked *decomposable*: without it the build fails ("Attention operation was not
+      supported by a dedicated kernel") for every fp32 attention and for fp16 attention with
+      head sizes that have no fused kernel (e.g. 8); with it TensorRT uses a fused kernel where
+      one exists and decomposes the rest;
+    - in an fp16 model with fp32 attention islands (``attnx.export.to_fp16`` keeps Attention in
+      fp32), the additive mask is handed to the attention in fp16 instead of through its
+      fp16->fp32 Cast: the build otherwise fails inside Myelin ("Input 0's element type (half)
+      differs from input 1's element type (float)"). Exact: that Cast is lossless.
+
+    Returns ``{"layers": n, "decomposable": n_marked, "mask_casts_bypassed": k}``."""
+    from attnx.runtime import tensorrt_backend as tb
+
+    trt = tb.backend().module
+    stats = {"layers": 0, "decomposable": 0, "mask_casts_bypassed": 0}
+    input_type = getattr(getattr(trt, "LayerType", None), "ATTENTION_INPUT", None)
+    layer_cls = getattr(trt, "IAttentionInputLayer", None)
+    if input_type is None or layer_cls is None:
+        return stats  # a TensorRT without IAttention: the parser decomposes attention itself
+    producers = {}
+    for layer in _layers(network):
+        for j in range(layer.num_outputs):
+            producers[layer.get_output(j).name] = layer
+    for layer in _layers(network):
+        if layer.type != input_type:
+            continue
+        try:
+            layer.__class__ = layer_cls  # pybind downcast, as Polygraphy does
+            att = layer.attention
+        except (AttributeError, TypeError):
+            continue
+        stats["layers"] += 1
+        if hasattr(att, "decomposable") and not att.decomposable:
+            att.decomposable = True
+            stats["decomposable"] += 1
+        mask = getattr(att, "mask", None)
+        query = att.get_input(0) if att.num_inputs else None
+        cast = producers.get(mask.name) if mask is not None else None
+        if cast is None or query is None or cast.type != trt.LayerType.CAST:
+            continue
+        src = cast.get_input(0)
+        if query.dtype == trt.DataType.FLOAT and mask.dtype == trt.DataType.FLOAT and src.dtype == trt.DataType.HALF:
+            att.mask = src
+            stats["mask_casts_bypassed"] += 1
+    return stats
+
+
+def build_plan(parsed, *, target: str | None, profile_shapes: Mapping[str, tuple],
+               timing_cache: str | os.PathLike | None = None, workspace: int | None = None,
+               optimization_level: int | None = None) -> bytes:
+    """Serialize an engine from an already parsed (and :func:`prepare_attention` d) network.
+
+    The same steps as ``tensorrt_backend.build_engine``, which parses the file itself and so
+    leaves no room to adjust the network in between; it uses the adapter's target, profile
+    and logger helpers."""
+    from attnx import plugins as plugin_pkg
+    from attnx.runtime import tensorrt_backend as tb
+
+    info = tb.backend()
+    trt = info.module
+    logger = tb.get_logger()
+    builder, network = parsed.builder, parsed.network
+    config = builder.create_builder_config()
+    tb.apply_target(config, target, info)
+    if profile_shapes:
+        profile = builder.create_optimization_profile()
+        for name, (lo, mid, hi) in profile_shapes.items():
+            profile.set_shape(name, lo, mid, hi)
+        config.add_optimization_profile(profile)
+    if workspace is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace))
+    if optimization_level is not None:
+        config.builder_optimization_level = int(optimization_level)
+    cache_path = Path(timing_cache) if timing_cache and not info.is_rtx else None  # RTX has no timing cache
+    if cache_path is not None:
+        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+        config.set_timing_cache(cache, False)
+    library = parsed.plugins
+    if library is not None:
+        plugin_pkg.clear_plugin_errors(library.path)
+    mark = logger.mark()
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        plugin_msgs = (plugin_pkg.plugin_errors(library.path) if library is not None else []) \
+            + logger.plugin_messages(mark)
+        errors = list(dict.fromkeys(m.strip() for m in [*plugin_msgs, *logger.messages(mark)] if m and m.strip()))
+        raise tb.BuildError(f"TensorRT ({info.describe()}) could not build an engine from {parsed.path}: "
+                            + (" | ".join(errors) if errors else "no error message (run with logging at DEBUG)"),
+                            errors=errors)
+    if cache_path is not None:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
+    return bytes(plan)
 
 
 # ============================================================================ errors

@@ -414,17 +414,10 @@ def engine_io_specs(path: Path, onnx_path: Path | None = None) -> tuple[list[Ten
     """
     sidecar = engine_sidecar(path)
     if isinstance(sidecar.get("inputs"), list) and isinstance(sidecar.get("outputs"), list):
-
+        # `attnx build-engine` writes {name, dtype, shape (dim names / ints / null), role} per tensor.
         def specs(items, is_input):
-            return [
-                TensorSpec(
-                    i["name"],
-                    np.dtype(i.get("dtype", "float32")),
-                    tuple(i.get("shape", [])),
-                    i.get("role") or _default_role(i["name"], is_input),
-                )
-                for i in items
-            ]
+            listed = [(i["name"], np.dtype(i.get("dtype", "float32")), list(i.get("shape", []))) for i in items]
+            return _merge_specs(listed, items, is_input)
 
         return specs(sidecar["inputs"], True), specs(sidecar["outputs"], False), sidecar
     candidates = [onnx_path] if onnx_path else []

@@ -176,9 +176,25 @@ def triton_schema():
             raise RuntimeError(f"this tritonclient has no {path.name} (looked in {path.parent})")
         spec = importlib.util.spec_from_file_location("attnx_triton_model_config_pb2", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        try:
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - typically a protobuf runtime older than the generated code
+            from google.protobuf import __version__ as pb_version
+
+            raise RuntimeError(
+                f"cannot load Triton's schema from {path} with protobuf {pb_version}: {e}"
+            ) from e
         _schema = module
     return _schema
+
+
+def schema_problem() -> str | None:
+    """Why Triton's schema cannot be loaded here (None when it can)."""
+    try:
+        triton_schema()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def validate_config(text: str):
@@ -270,13 +286,14 @@ def write_repository(
     instance_count: int = 1,
     plugin_library: str | Path | None = None,
     onnx_path: str | Path | None = None,
-    validate: bool = True,
+    validate: bool | None = None,
 ) -> Path:
     """Write (or add to) a Triton model repository; returns the model's folder.
 
     ``plugin_library``: the TensorRT plugin ``.so`` to ship (default: the built one,
     when ``attnx.plugins.library_path()`` finds it). ``onnx_path``: for an engine whose
-    sidecar does not list its I/O, the ONNX it was built from.
+    sidecar does not list its I/O, the ONNX it was built from. ``validate``: check the
+    config with Triton's schema (None: when tritonclient is installed to provide it).
     """
     from attnx.runtime.session import engine_io_specs, onnx_io_specs
 
@@ -309,7 +326,7 @@ def write_repository(
         default_model_filename=filename,
     )
     text = f"# Written by attnx triton-repo from {model_path.name}; see ../README.md.\n" + to_pbtxt(config)
-    if validate:
+    if validate or (validate is None and schema_problem() is None):
         validate_config(text)
     (model_dir / "config.pbtxt").write_text(text)
 

@@ -82,3 +82,28 @@ def test_torch_export_dynamic_batch_and_seq(case):
         assert any("maw_depth_select" in str(n.target) for n in ep.graph.nodes)
     if name == "smal-shared-ref":
         assert any("tta_distance" in str(n.target) for n in ep.graph.nodes)
+
+
+def test_torch_export_maw_with_depth_output():
+    enc = randomize_init(build_encoder("maw", seed=3, n_layers=2, depth_dim=4, **SMALL)).eval()
+
+    class WithDepth(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = enc
+
+        def forward(self, hidden_states, attention_mask):
+            return self.encoder(hidden_states, attention_mask, return_depth=True)
+
+    batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=1, max=512)
+    g = gen(4)
+    args = (torch.randn(2, 5, D_MODEL, generator=g), right_pad_mask([5, 2], 5))
+    ep = torch.export.export(WithDepth(), args, dynamic_shapes=[{0: batch, 1: seq}, {0: batch, 1: seq}])
+    x = 3 * torch.randn(6, 9, D_MODEL, generator=g)
+    mask = right_pad_mask([9, 3, 7, 1, 9, 5], 9)
+    with torch.no_grad():
+        out, depth = ep.module()(x, mask)
+        want_out, want_depth = enc(x, mask, return_depth=True)
+    assert depth.dtype == torch.int64 and depth.shape == (6,)
+    assert torch.equal(depth, want_depth)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)

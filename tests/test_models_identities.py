@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_models_support import D_MODEL, N_HEADS, SMALL, gen, make_context, right_pad_mask, specs_of  # noqa: E402
+from test_models_support import D_MODEL, SMALL, gen, make_context, right_pad_mask, specs_of  # noqa: E402
 
 from attnx.models import build_encoder, build_variant  # noqa: E402
 from attnx.models.hooks import run_with_cache  # noqa: E402

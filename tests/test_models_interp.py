@@ -11,7 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, make_context, right_pad_mask, specs_of  # noqa: E402
+from test_models_support import (  # noqa: E402
+    D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, make_context, right_pad_mask, specs_of,
+)
 
 from attnx.models import VARIANTS, build_encoder, build_variant, encoder_from_config  # noqa: E402
 from attnx.models.hooks import hook_points, patch_heads, patch_hook, run_with_cache, run_with_hooks  # noqa: E402
@@ -95,7 +97,8 @@ def test_fused_path_equals_explicit_path(variant, options, batch):
                 block.attn.lam.fill_(1.7)
     ctx = make_context(specs_of(enc), B, L, gen(1))
     fused = enc(x, mask, **ctx)  # no pattern hook: scaled_dot_product_attention (smal: the rewrite)
-    explicit = run_with_hooks(enc, x, mask, **ctx, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda p, h: None)])
+    observe = [(lambda n: n.endswith("hook_pattern"), lambda p, h: None)]  # forces the explicit path
+    explicit = run_with_hooks(enc, x, mask, **ctx, fwd_hooks=observe)
     torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=0)
 
 

@@ -192,3 +192,39 @@ def test_options_change_the_function(case):
     base.load_state_dict({k: own[k] for k in base.state_dict()})
     x, ctx = inputs(enc, 2, 5, seed=6)
     assert (enc(x, None, **ctx) - base(x, None)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant,options", [
+    ("smal", dict(mode="tta", d_self=10)),  # explicit path, scores = -D (large and negative)
+    ("smal", dict(mode="tta", d_self=10, use_rewrite=True)),  # fused path with a negative per-key bias
+    ("cultural", dict(d_cultural=12)),  # fused path with a large negative cultural key bias
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_empty_rows_stay_finite_in_half_precision(variant, options, dtype):
+    """fp16's dtype-min mask plus a score below -16 overflows to -inf; an all-masked row must still give 0."""
+    from attnx.models.common import mask_bias
+
+    mod = build_variant(variant, seed=0, **SMALL, **options).eval()
+    g = gen(9)
+    x = torch.randn(2, 5, D_MODEL, generator=g)
+    ctx = make_context(specs_of(mod), 2, 5, g)
+    with torch.no_grad():
+        if variant == "smal":  # T = 40 I: D_ij = 40 |q_i - k_j|^2, every score far below -16
+            ctx["trace"] = 40 * torch.eye(8).expand(2, 8, 8).clone()
+        else:  # every key equals u with u_h = c'_h of example 1, lambda < 0: bias = -200 |c'_h|^2 / sqrt(Dh)
+            mod.W_K.weight.zero_()
+            mod.W_K.bias.copy_(mod.W_C(ctx["cultural"][1]))
+            mod.lam.fill_(-200.0)
+    mod = mod.to(dtype)
+    x = x.to(dtype)
+    ctx = {k: v.to(dtype) for k, v in ctx.items()}
+    mask = right_pad_mask([5, 0], 5)
+    with torch.no_grad():
+        out, cache = run_with_cache(mod, x, mask, **ctx)
+        fused = mod(x, mask, **ctx)
+    bias, _ = mask_bias(mask, 5, 5, dtype, False)
+    if dtype == torch.float16:  # the precondition: some row of the empty example overflows entirely
+        assert torch.isinf(cache["hook_attn_scores"] + bias)[1].all(-1).any()
+    assert torch.isfinite(out).all() and torch.isfinite(fused).all()
+    assert (cache["hook_pattern"][1] == 0).all()
+    torch.testing.assert_close(fused[1].float(), mod.W_O.bias.float().expand(5, -1), atol=0, rtol=0)

@@ -361,3 +361,20 @@ def test_serve_takes_the_latest_export_and_names_models(tmp_path, monkeypatch):
                                                                       ("fast", Path("a/smal.onnx"))]
     with pytest.raises(UserError, match="two models named"):
         _model_files([str(old), f"old={new}"])
+
+
+def test_fp16_model_over_json_and_binary(exported):
+    session = load(exported("maw", fp16=True).path, device="cpu")
+    assert session.input("hidden_states").dtype == np.float16
+    feeds = request(session, rows=2, length=6, seed=3, pad_to=8)
+    want = session.run(feeds)
+    with running_server({"half": session}) as srv:
+        c = httpclient.InferenceServerClient(srv.address)
+        try:
+            assert c.get_model_metadata("half")["inputs"][0]["datatype"] == "FP16"
+            for binary in (True, False):
+                got, response = triton_infer(c, "half", feeds, binary_in=binary, binary_out=binary)
+                assert response["outputs"][0]["datatype"] == "FP16"
+                assert_outputs_equal(got, want, atol=1e-3)
+        finally:
+            c.close()
