@@ -147,19 +147,34 @@ def inputs(l: int, seed: int = 0):
     return q, k, v, trace, gb
 
 
-def measure(fn, args, slow_s: float = 3.0):
+
+SLOW_S = 3.0
+
+
+def _repeat(fn, args, first: float, slow_s: float) -> list[float]:
+    """More timed runs: none for a slow call, two for a medium one, and for a fast one as many as fit
+    in ~1.5 s (at most 30); the minimum is reported (the machine may be shared)."""
+    times = [first]
+    if first > slow_s:
+        return times
+    budget, limit = (1.5, 30) if first < 0.3 else (0.0, 2)
+    spent = 0.0
+    while len(times) <= limit and (spent < budget or len(times) <= 2):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t0)
+        spent += times[-1]
+    return times
+
+
+def measure(fn, args):
     """(best seconds, peak tracked bytes, output). The tracked run is timed too; fast calls are
     re-run untracked and the best time is kept."""
     with PeakTensorMemory() as mem:
         t0 = time.perf_counter()
         out = fn(*args)
         first = time.perf_counter() - t0
-    times = [first]
-    reps = 0 if first > slow_s else (2 if first > 0.3 else 5)
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t0)
+    times = _repeat(fn, args, first, SLOW_S)
     return min(times), mem.peak, out
 
 

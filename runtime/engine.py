@@ -62,6 +62,9 @@ AXES = ("batch", "seq")
 #: Built for when there is no local GPU (TensorRT-RTX; Ada, e.g. L4 / RTX 40xx).
 DEFAULT_TARGET = "sm89"
 SIDECAR_FORMAT = 1
+#: First bytes of serialized plans: TensorRT-RTX 1.7 writes b"vtrt" (seen here), TensorRT 8-10 b"ftrt".
+#: Only used for engines without a sidecar (which carries the engine's sha256).
+PLAN_MAGICS = (b"vtrt", b"ftrt")
 CUSTOM_DOMAIN = "attnx"
 
 
@@ -373,6 +376,11 @@ def verify_engine_file(engine: str | os.PathLike) -> dict | None:
         raise EngineBuildError(f"{p} is empty: not a TensorRT engine (rebuild it with `attnx build-engine`)")
     sidecar = read_sidecar(p)
     if sidecar is None:
+        with open(p, "rb") as f:
+            head = f.read(4)
+        if head not in PLAN_MAGICS:
+            raise EngineBuildError(f"{p} is not a TensorRT engine (its header {head!r} is not a TensorRT plan's, and "
+                                   f"it has no {sidecar_path(p).name} sidecar)")
         return None
     if sidecar.get("engine_bytes") not in (None, size) or sidecar.get("engine_sha256") != sha256_file(p):
         raise EngineBuildError(f"{p} is corrupt or was changed after it was built: its sha256 does not match "

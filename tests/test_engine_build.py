@@ -1,0 +1,247 @@
+"""`attnx.runtime.engine`: engines for every variant, fp32 and fp16, built with TensorRT-RTX on this
+CPU-only machine (target sm89), with plugin layers counted and a sidecar that check/serve/bench read.
+
+A small build takes 0.3-1.5 s here (d_model 32, 2 layers); the exports (shared, cached by the
+``exported`` fixture) dominate this file's time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from attnx.export.exporter import sha256_file
+from attnx.export.metadata import read_metadata
+from attnx.runtime import engine as eng
+
+tb = pytest.importorskip("attnx.runtime.tensorrt_backend")
+pytestmark = pytest.mark.rtx
+
+VARIANTS = ("mha", "cultural", "metaphor", "maw", "smal")
+#: attnx custom nodes in a 2-layer plugin-lowered export.
+CUSTOM = {"maw": {"MawDepthSelect": 2}, "smal": {"TtaDistance": 2}}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    if not tb.is_available():
+        pytest.skip("no TensorRT (full or RTX) installed")
+    return tb.backend()
+
+
+@pytest.fixture(scope="module")
+def plugin_lib(backend):
+    from attnx import plugins
+
+    path = plugins.library_path()
+    if path is None:
+        if plugins.find_nvcc() is None:
+            pytest.skip("the plugin library is not built and nvcc is missing")
+        path = plugins.build()
+    return path
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_build_every_variant(exported, backend, plugin_lib, tmp_path, variant, fp16):
+    res = exported(variant)
+    out = tmp_path / f"{variant}.engine"
+    start = time.monotonic()
+    built = eng.build(res.path, out, fp16=fp16, target="sm89")
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"build took {elapsed:.1f}s"
+
+    # The engine and its sidecar.
+    plan = out.read_bytes()
+    assert built.engine_path == out and len(plan) > 10_000
+    assert plan[:4] in eng.PLAN_MAGICS
+    side = json.loads(eng.sidecar_path(out).read_text())
+    assert side == built.sidecar
+    assert side["engine_bytes"] == len(plan) and side["engine_sha256"] == sha256_file(out)
+    assert (side["backend"], side["backend_version"]) == (backend.name, backend.version)
+    assert side["target"] == "sm89"
+    assert side["precision"] == ("fp16" if fp16 else "fp32")
+    assert side["variant"] == variant and side["lowering"] == "plugin"
+    assert side["attnx_version"] and side["built_at"] and side["build_seconds"] >= 0
+
+    # Built from the fp16 file for --fp16 (written beside the export, metadata updated).
+    src = Path(side["onnx"])
+    if fp16:
+        assert src == res.path.with_name(res.path.stem + "-fp16.onnx").resolve()
+        info = read_metadata(src)
+        assert info.precision == "fp16" and info.weights == res.info.weights
+        assert {i["name"]: i["dtype"] for i in info.inputs}["hidden_states"] == "float16"
+        assert {o["name"]: o["dtype"] for o in info.outputs}["output"] == "float16"
+    else:
+        assert src == res.path.resolve()
+    assert side["onnx_sha256"] == sha256_file(src)
+
+    # Profiles from the metadata; bindings with dim names, dtypes and roles.
+    assert side["profiles"] == {k: list(v) for k, v in res.info.profiles.items()}
+    d = res.info.config["attention"][variant]["d_model"]
+    hs = side["profile_shapes"]["hidden_states"]
+    assert hs["min"] == [1, 1, d] and hs["max"] == [res.info.profiles["batch"][2], res.info.profiles["seq"][2], d]
+    inputs = {i["name"]: i for i in side["inputs"]}
+    assert inputs["hidden_states"]["shape"] == ["batch", "seq", d]
+    assert inputs["hidden_states"]["dtype"] == ("float16" if fp16 else "float32")
+    assert inputs["attention_mask"] == {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
+                                        "role": "attention_mask"}
+    assert [o["name"] for o in side["outputs"]] == (["output", "maw_depth"] if variant == "maw" else ["output"])
+    assert {i["name"] for i in side["inputs"]} == {i["name"] for i in res.info.inputs}
+
+    # Plugin layers: every attnx custom node became a plugin layer, none inlined.
+    assert side["plugins"]["sha256"] == sha256_file(plugin_lib)
+    assert Path(side["plugins"]["path"]) == Path(plugin_lib).resolve()
+    assert side["custom_nodes"] == CUSTOM.get(variant, {})
+    n_custom = sum(CUSTOM.get(variant, {}).values())
+    assert built.plugin_layers == side["plugin_layers"] == side["layers"].get("PLUGIN_V3", 0) == n_custom
+    assert built.inlined_custom_nodes == side["inlined_custom_nodes"] == 0
+    # The plain-attention variants' Attention layers were made buildable (see prepare_attention).
+    if variant in ("mha", "cultural", "metaphor"):
+        assert side["attention"]["layers"] == 2 == side["attention"]["decomposable"]
+        assert side["attention"]["mask_casts_bypassed"] == (2 if fp16 else 0)
+
+    # What `check` relies on.
+    assert eng.verify_engine_file(out) == side
+
+
+def test_shapes_override_and_options(exported, backend, plugin_lib, tmp_path):
+    res = exported("maw")
+    out = tmp_path / "maw-small.engine"
+    built = eng.build(res.path, out, shapes=eng.parse_shapes(["batch=1,4,16", "seq=2:64:256"]), workspace="256M",
+                      timing_cache=tmp_path / "timing.cache", target="sm86", optimization_level=1)
+    side = built.sidecar
+    assert side["profiles"] == {"batch": [1, 4, 16], "seq": [2, 64, 256]}
+    d = res.info.config["attention"]["maw"]["d_model"]
+    assert side["profile_shapes"]["hidden_states"] == {"min": [1, 2, d], "opt": [4, 64, d], "max": [16, 256, d]}
+    assert side["profile_shapes"]["attention_mask"] == {"min": [1, 2], "opt": [4, 64], "max": [16, 256]}
+    assert side["target"] == "sm86" and side["workspace"] == 256 << 20
+    if backend.is_rtx:
+        assert side["timing_cache"] is None  # TensorRT-RTX has no timing cache
+    # One axis alone keeps the other from the metadata.
+    only = eng.build(res.path, tmp_path / "maw-b.engine", shapes={"batch": (2, 2, 2)}).sidecar
+    assert only["profiles"] == {"batch": [2, 2, 2], "seq": list(res.info.profiles["seq"])}
+    assert only["target"] == "sm89"  # no GPU here: the default target
+
+
+def test_default_engine_path_is_beside_the_onnx(exported, backend, plugin_lib, tmp_path):
+    import shutil
+
+    res = exported("smal")
+    src = tmp_path / "smal.onnx"
+    shutil.copy(res.path, src)
+    built = eng.build(src, fp16=True)
+    assert built.onnx_path == tmp_path / "smal-fp16.onnx"
+    assert built.engine_path == tmp_path / "smal-fp16.engine"
+    assert eng.sidecar_path(built.engine_path) == tmp_path / "smal-fp16.engine.json"
+    assert built.engine_path.is_file() and built.sidecar_path.is_file()
+
+
+def test_ensure_fp16_converts_once_and_keeps_fp16_files(exported, tmp_path):
+    import shutil
+
+    res = exported("cultural")
+    src = tmp_path / "c.onnx"
+    shutil.copy(res.path, src)
+    shutil.copy(res.weights_path, tmp_path / res.info.weights)
+    dst, converted = eng.ensure_fp16(src)
+    assert converted and dst == tmp_path / "c-fp16.onnx"
+    mtime = dst.stat().st_mtime_ns
+    again, converted = eng.ensure_fp16(src)
+    assert again == dst and not converted and dst.stat().st_mtime_ns == mtime  # reused
+    same, converted = eng.ensure_fp16(dst)  # already fp16: used as is
+    assert same == dst and not converted
+    # The conversion keeps softmax/LayerNorm/reductions in fp32 and is a valid model.
+    model = onnx.load(str(dst))
+    onnx.checker.check_model(model)
+    info = read_metadata(model)
+    assert info.precision == "fp16" and info.extra["fp16_source_sha256"] == sha256_file(src)
+    # An `attnx export --fp16` of the same weights is reused rather than overwritten.
+    fp16_export = exported("cultural", fp16=True)
+    assert eng._same_fp16(fp16_export.path, res.path, res.info, sha256_file(res.path))
+
+
+def test_parse_shapes():
+    assert eng.parse_shapes(["batch=1,4,16", "seq=1:64:256"]) == {"batch": (1, 4, 16), "seq": (1, 64, 256)}
+    assert eng.parse_shapes(["batch=1,2,3 seq=4,5,6"]) == {"batch": (1, 2, 3), "seq": (4, 5, 6)}
+    assert eng.parse_shapes(["seq=128"]) == {"seq": (128, 128, 128)}
+    for bad, words in [("batch", "axis=min,opt,max"), ("heads=1,2,3", "unknown axis"), ("batch=1,2", "three"),
+                       ("batch=4,2,1", "min <= opt <= max"), ("seq=0,1,2", "min <= opt"), ("batch=a,b,c", "three")]:
+        with pytest.raises(eng.EngineBuildError, match=words):
+            eng.parse_shapes([bad])
+
+
+def test_parse_size():
+    assert eng.parse_size("512M") == 512 << 20
+    assert eng.parse_size("1GiB") == 1 << 30
+    assert eng.parse_size("2gb") == 2 * 10**9
+    assert eng.parse_size("4096") == 4096 and eng.parse_size(None) is None
+    with pytest.raises(eng.EngineBuildError):
+        eng.parse_size("lots")
+
+
+def test_corrupt_and_foreign_files(exported, backend, plugin_lib, tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage" * 50)
+    with pytest.raises(eng.EngineBuildError, match="not a readable ONNX file"):
+        eng.build(bad, tmp_path / "bad.engine")
+    res = exported("mha")
+    built = eng.build(res.path, tmp_path / "m.engine")
+    data = bytearray(built.engine_path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    built.engine_path.write_bytes(bytes(data))
+    with pytest.raises(eng.EngineBuildError, match="corrupt"):
+        eng.verify_engine_file(built.engine_path)
+    text = tmp_path / "notes.engine"
+    text.write_text("hello")
+    with pytest.raises(eng.EngineBuildError, match="not a TensorRT engine"):
+        eng.verify_engine_file(text)
+    with pytest.raises(eng.EngineBuildError, match="does not exist"):
+        eng.build(exported("maw").path, tmp_path / "x.engine", plugins=tmp_path / "missing.so")
+
+
+def test_unmappable_op_is_a_parse_error(backend, plugin_lib, tmp_path):
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, ["batch", "seq", 8])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", "seq", 8])
+    node = helper.make_node("FancyMix", ["hidden_states"], ["output"], domain="attnx", name="fancy")
+    model = helper.make_model(helper.make_graph([node], "g", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("attnx", 1)])
+    path = tmp_path / "fancy.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(tb.ParseError, match="FancyMix"):
+        eng.build(path, tmp_path / "fancy.engine", shapes={"batch": (1, 1, 2), "seq": (1, 4, 8)})
+    with pytest.raises(eng.EngineBuildError, match="--shapes"):  # no metadata, no --shapes: say how
+        eng.build(path, tmp_path / "fancy.engine")
+
+
+def test_prepare_attention_without_iattention():
+    class Net:  # a TensorRT without IAttention (older full TensorRT): nothing to do, no error
+        num_layers = 0
+
+    stats = eng.prepare_attention(Net())
+    assert stats["layers"] == 0
+
+
+def test_fp16_model_runs_on_onnxruntime(exported, tmp_path):
+    import shutil
+
+    import onnxruntime as ort
+
+    res = exported("metaphor")
+    src = tmp_path / "m.onnx"
+    shutil.copy(res.path, src)
+    dst, _ = eng.ensure_fp16(src)
+    sess = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
+    from attnx.export.exporter import example_inputs
+
+    feeds = {k: v.numpy() for k, v in example_inputs(res.model, batch=3, seq=5).items()}
+    feeds = {k: (v.astype(np.float16) if v.dtype == np.float32 else v) for k, v in feeds.items()}
+    out = sess.run(None, feeds)[0]
+    assert out.dtype == np.float16 and out.shape == (3, 5, res.model.d_model)
