@@ -94,6 +94,8 @@ def register(app: typer.Typer) -> None:
                 console.print(f"plugin library: {escape(str(lib))}")
 
         rows: list[_Row] = []
+        engine_note = ""
+        targets: set[str] = set()
         for variant in names:
             row = _Row(variant)
             rows.append(row)
@@ -105,7 +107,7 @@ def register(app: typer.Typer) -> None:
                     res = export_variant(variant, default_path(variant, "plugin", False, wd),
                                          overrides=overrides[variant])
                 params = sum(p.numel() for p in res.model.parameters())
-                row.export = f"{res.path.name} ({params / 1e6:.2f}M params)"
+                row.export = f"ok, {params / 1e6:.2f}M"
                 console.print(f"exported {escape(str(res.path))} in {time.monotonic() - t0:.1f}s", highlight=False)
             except Exception as e:  # noqa: BLE001 - one variant failing must not stop the others
                 row.export, row.ok = f"[red]failed[/red]", False
@@ -120,10 +122,11 @@ def register(app: typer.Typer) -> None:
                     built = build_engine_cmd(res.path, None, True, target, [], None, None, None, None, quiet=True)
                     engine_path, fp16_model = built.engine_path, built.onnx_path
                     custom = built.custom_nodes
-                    row.plugin_layers = (f"{built.plugin_layers}/{custom}" if custom else "0 (none needed)")
+                    row.plugin_layers = (f"{built.plugin_layers} of {custom}" if custom else "-")
                     if built.inlined_custom_nodes:
                         row.plugin_layers += f" [yellow]{built.inlined_custom_nodes} inlined[/yellow]"
-                    row.engine = f"{_size(built.engine_bytes)} {built.sidecar['target']}"
+                    row.engine = _size(built.engine_bytes)
+                    targets.add(built.sidecar["target"])
                     console.print(f"engine {escape(str(engine_path))}: {_size(built.engine_bytes)}, "
                                   f"{built.plugin_layers} plugin layer(s), built in {built.sidecar['build_seconds']:.1f}s",
                                   highlight=False)
@@ -154,9 +157,10 @@ def register(app: typer.Typer) -> None:
                     row.check, row.ok = "[bold red]FAIL[/bold red]", False
                     row.notes.extend(report.mismatches())
                 if report.engine is not None and not report.engine.get("ran"):
-                    row.check += " (engine not run)"
+                    row.check += "*"
+                    engine_note = report.engine.get("reason", "")
                 errs = report.max_errors()
-                row.errors = ", ".join(f"{k} {v:.2g}" for k, v in errs.items())
+                row.errors = " ".join(f"{v:.1e}" if k == "output" else f"(depth {v:g})" for k, v in errs.items())
                 console.print(f"check: {report.verdict} ({len(report.comparisons)} comparisons, "
                               f"{len(report.cases)} cases) in {report.seconds:.1f}s; report {escape(str(report_path))}",
                               highlight=False)
@@ -168,19 +172,25 @@ def register(app: typer.Typer) -> None:
                 row.notes.append(f"check: {type(e).__name__}: {_first_line(e)}")
             row.seconds = time.monotonic() - t0
 
-        table = Table(title=f"attnx demo ({time.monotonic() - started:.0f}s)", header_style="bold")
-        for col in ("variant", "export", "plugin layers", "engine (fp16)", "check", "max errors", "time"):
+        from rich import box
+
+        title = f"attnx demo: {len(rows)} variant(s) in {time.monotonic() - started:.0f}s"
+        if targets:
+            title += f", engines for {', '.join(sorted(targets))}"
+        table = Table(title=title, header_style="bold",
+                      box=box.SIMPLE_HEAD)
+        for col in ("variant", "export", "plugin layers", "engine (fp16)", "check", "max error", "time"):
             table.add_column(col, justify="right" if col == "time" else "left")
         for r in rows:
             table.add_row(r.variant, r.export, r.plugin_layers, r.engine, r.check, r.errors, f"{r.seconds:.0f}s")
         console.rule()
         console.print(table)
-        if trt_problem is None:
-            from attnx.runtime import tensorrt_backend as tb2
-
-            if tb2.gpu_compute_capability() is None:
-                console.print("[dim]engines were built but not run: no CUDA GPU here (check compared the PyTorch "
-                              "reference with ONNX Runtime on both lowerings)[/dim]")
+        if engine_note:
+            console.print(f"* engine not run here: {escape(engine_note)}; check compared the PyTorch reference with "
+                          "ONNX Runtime on both lowerings", highlight=False)
+        console.print(f"[dim]export: parameters; plugin layers: of the attnx custom nodes; max error: worst "
+                      f"|output - reference| over the runners (fp16 model vs the fp32 reference), maw_depth in "
+                      f"brackets; reports in {escape(str(wd / 'parity'))}/[/dim]", highlight=False)
         for r in rows:
             for note in r.notes:
                 err_console.print(f"[red]{r.variant}:[/red] {escape(note)}", highlight=False)

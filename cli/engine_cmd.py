@@ -54,7 +54,7 @@ class _Steps:
         self.steps = steps
         self.labels = labels
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                                 console=console, transient=True, disable=quiet)
+                                 console=console, transient=True, disable=quiet or not console.is_terminal)
         self.task = None
         self.times: dict[str, float] = {}
         self._current: str | None = None

@@ -351,15 +351,20 @@ def default_engine_path(onnx_path: str | os.PathLike) -> Path:
 def read_sidecar(engine: str | os.PathLike) -> dict | None:
     """The sidecar of an engine (``x.engine.json``, or ``x.json``), None when there is none."""
     p = Path(engine)
-    for candidate in (sidecar_path(p), p.with_suffix(".json")):
-        if candidate.is_file():
-            try:
-                data = json.loads(candidate.read_text())
-            except (OSError, ValueError) as e:
-                raise EngineBuildError(f"{candidate}: unreadable engine sidecar ({e})") from None
-            if not isinstance(data, dict) or "engine_sha256" not in data:
-                raise EngineBuildError(f"{candidate} is not an attnx engine sidecar")
-            return data
+    for primary, candidate in ((True, sidecar_path(p)), (False, p.with_suffix(".json"))):
+        if not candidate.is_file():
+            continue
+        try:
+            data = json.loads(candidate.read_text())
+        except (OSError, ValueError) as e:
+            if not primary:
+                continue  # x.json may be any JSON file
+            raise EngineBuildError(f"{candidate}: unreadable engine sidecar ({e})") from None
+        if not isinstance(data, dict) or "engine_sha256" not in data:
+            if not primary:
+                continue
+            raise EngineBuildError(f"{candidate} is not an attnx engine sidecar")
+        return data
     return None
 
 
@@ -392,11 +397,9 @@ def _bindings(info, proto) -> tuple[list[dict], list[dict]]:
     import onnx
 
     roles = {}
-    meta_shapes = {}
     if info is not None:
         for item in list(info.inputs) + list(info.outputs):
             roles[item["name"]] = item.get("role")
-            meta_shapes[item["name"]] = item.get("shape")
     initializers = {i.name for i in proto.graph.initializer}
 
     def one(vi, is_input: bool) -> dict:

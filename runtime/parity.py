@@ -62,9 +62,10 @@ _log = logging.getLogger("attnx.parity")
 #: ``{precision: {output: (atol, rtol, mean_atol)}}``. Two Polygraphy checks per output: ``elemwise``
 #: (an element fails when it exceeds both atol and rtol) and ``mean`` (the mean absolute error
 #: must stay under mean_atol), so the loose fp16 elementwise bound cannot hide a small systematic
-#: error. fp16 values come from measurements on the five variants (ONNX Runtime CPU vs the fp32
-#: reference, d_model 32 and 256, 2 layers, batch up to 16, seq up to 256): worst element 2.8e-2
-#: (smal; the others <= 2.0e-3), worst mean 6e-4 (smal; others <= 2e-4).
+#: error. fp16 values come from measurements on the five variants (ONNX Runtime CPU on the fp16
+#: file vs the fp32 reference, d_model 32 and 256, 2 layers, batch 1-16, seq 1-512): worst element
+#: 2.8e-2 (smal, whose distance logits grow with length; elementwise use of the bound <= 0.45), the
+#: other variants <= 2.1e-3; worst per-case mean 7.9e-4 (smal), the others <= 2.2e-4.
 TOLERANCES: dict[str, dict[str, tuple[float, float, float]]] = {
     "fp32": {"output": (1e-4, 1e-4, 1e-5), "maw_depth": (0.0, 0.0, 0.0)},
     "fp16": {"output": (5e-2, 5e-2, 2e-3), "maw_depth": (0.0, 0.0, 0.0)},

@@ -248,12 +248,12 @@ def is_available() -> bool:
 
 
 def reset_backend() -> None:
-    """Forget the selection (tests). Loaded libraries stay loaded."""
+    """Forget the selection (tests). Loaded libraries stay loaded, and so does their record:
+    the process-wide registry refuses a second load of the same library."""
     global _backend, _logger
     with _backend_lock:
         _backend = None
         _logger = None
-        _loaded_plugins.clear()
 
 
 def _ensure_rtx_unversioned_library() -> str | None:

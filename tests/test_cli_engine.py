@@ -120,7 +120,7 @@ def test_demo_one_variant(rtx, tmp_path):
     proc = attnx("demo", "--workdir", tmp_path / "demo", "--variants", "maw", "--set", "d_model=32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert "attnx demo" in out and "maw" in out and "2/2" in out and "pass" in out
+    assert "attnx demo" in out and "maw" in out and "2 of 2" in out and "pass" in out
     assert (tmp_path / "demo" / "maw.onnx").is_file() and (tmp_path / "demo" / "maw-fp16.engine").is_file()
     assert json.loads((tmp_path / "demo" / "parity" / "maw-fp16.parity.json").read_text())["passed"]
 

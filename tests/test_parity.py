@@ -250,3 +250,61 @@ def test_setup_errors(exported, tmp_path):
     junk.write_bytes(b"\x12\x34not onnx")
     with pytest.raises(eng.EngineBuildError, match="not a readable ONNX file"):
         parity.run_check(junk, workdir=tmp_path)
+
+
+class _OrtAsEngine:
+    """Stands in for the adapter's ``Engine`` where no GPU is: the same interface (io_tensors,
+    run, close), computed by ONNX Runtime on the file, optionally with a defect."""
+
+    def __init__(self, onnx_path: Path, defect: float = 0.0):
+        import onnxruntime as ort
+
+        from attnx.runtime.tensorrt_backend import IOTensor
+
+        self.sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+        self.defect = defect
+        to_np = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+        self.io_tensors = [IOTensor(i.name, True, np.dtype(to_np[i.type]), tuple(-1 if isinstance(d, str) else d
+                                                                                 for d in i.shape))
+                           for i in self.sess.get_inputs()]
+        self.closed = False
+
+    def run(self, feeds):
+        names = [o.name for o in self.sess.get_outputs()]
+        out = dict(zip(names, self.sess.run(None, dict(feeds))))
+        out["output"] = out["output"] + np.asarray(self.defect, out["output"].dtype)
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("defect", [0.0, 0.01])
+def test_engine_runner_joins_the_comparison_where_it_can_run(exported, tmp_path, monkeypatch, defect):
+    """The wiring for a machine with the right GPU: the engine is a fourth Polygraphy runner."""
+    tbm = pytest.importorskip("attnx.runtime.tensorrt_backend")
+    if not tbm.is_available():
+        pytest.skip("needs TensorRT to build the engine")
+    res = exported("maw")
+    path = _copy_export(res, tmp_path / "m")
+    built = eng.build(path)
+    opened = []
+
+    def fake_open(self):
+        if self.engine is None:
+            self.engine = _OrtAsEngine(path, defect)
+            opened.append(self.engine)
+        return self.engine
+
+    monkeypatch.setattr(parity, "_engine_status", lambda engine, sidecar: (True, ""))
+    monkeypatch.setattr(parity.EngineRunner, "open", fake_open)
+    report = parity.run_check(path, engine=built.engine_path, workdir=tmp_path)
+    assert report.engine["ran"] is True and opened and opened[0].closed
+    trt = {c.output: c for c in report.comparisons if c.runner == "tensorrt"}
+    assert set(trt) == {"output", "maw_depth"}
+    assert trt["maw_depth"].passed
+    if defect:
+        assert not report.passed and not trt["output"].passed
+        assert any(m.startswith("tensorrt vs torch: output") for m in report.mismatches())
+    else:
+        assert report.passed and trt["output"].max_abs < 1e-4
