@@ -178,15 +178,15 @@ def masked_mean(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """``[B, L, H*Dh] -> [B, H, L, Dh]``."""
+    """``[B, L, H*Dh] -> [B, L, H, Dh]`` (the hook layout; ``.transpose(1, 2)`` gives ``[B, H, L, Dh]``)."""
     b, l, d = x.shape
-    return x.view(b, l, n_heads, d // n_heads).transpose(1, 2)
+    return x.view(b, l, n_heads, d // n_heads)
 
 
 def merge_heads(z: torch.Tensor) -> torch.Tensor:
-    """``[B, H, L, Dh] -> [B, L, H*Dh]``."""
-    b, h, l, dh = z.shape
-    return z.transpose(1, 2).reshape(b, l, h * dh)
+    """``[B, L, H, Dh] -> [B, L, H*Dh]``."""
+    b, l, h, dh = z.shape
+    return z.reshape(b, l, h * dh)
 
 
 # --------------------------------------------------------------------------- hooks
@@ -293,9 +293,9 @@ class AttentionBase(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[B, L, D]`` -> q, k, v ``[B, H, L, Dh]`` (through the hook points)."""
         h = self.n_heads
-        q = self.hook_q(split_heads(self.W_Q(x), h).transpose(1, 2)).transpose(1, 2)
-        k = self.hook_k(split_heads(self.W_K(x), h).transpose(1, 2)).transpose(1, 2)
-        v = self.hook_v(split_heads(self.W_V(x), h).transpose(1, 2)).transpose(1, 2)
+        q = self.hook_q(split_heads(self.W_Q(x), h)).transpose(1, 2)
+        k = self.hook_k(split_heads(self.W_K(x), h)).transpose(1, 2)
+        v = self.hook_v(split_heads(self.W_V(x), h)).transpose(1, 2)
         return q, k, v
 
     def mask(self, attention_mask, lq: int, lk: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -329,8 +329,7 @@ class AttentionBase(nn.Module):
             if hm.shape[2] != self.n_heads:
                 raise ValueError(f"head_mask: expected {self.n_heads} heads, got shape {list(head_mask.shape)}")
             z = z * hm
-        b, l = z.shape[:2]
-        return self.W_O(z.reshape(b, l, -1))
+        return self.W_O(merge_heads(z))
 
 
 # --------------------------------------------------------------------------- FFN
