@@ -37,7 +37,7 @@ demo: $(STAMP)
 	$(ATTNX) demo --workdir $(WORK)
 
 bench: $(STAMP)
-	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(WORK) plugins/build plugins/lib build *.egg-info

@@ -17,80 +17,23 @@ tracked per aten op by a TorchDispatchMode that also records the largest tensor 
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
-import weakref
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when run from elsewhere
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from _common import TensorTracker, measure, parse_lengths, print_table
 
-from attnx.models import build_variant, custom_ops
+from attnx.models import build_variant
 from attnx.models.custom_ops import maw_depth_select
 from attnx.models.maw import maw_logits_5d
 
 B, H, DH, DEPTH = 4, 12, 64, 5
 D_MODEL = H * DH
 SCALE = 1.0 / math.sqrt(DH)
-
-
-class TensorTracker(TorchDispatchMode):
-    """Peak bytes of live tensors produced inside the block and the largest rank produced
-    (descends into the attnx custom ops)."""
-
-    _impls = {"attnx.tta_distance.default": custom_ops.tta_distance._init_fn,
-              "attnx.maw_depth_select.default": custom_ops.maw_depth_select._init_fn}
-
-    def __init__(self, state=None):
-        super().__init__()
-        self.state = state if state is not None else {"live": {}, "current": 0, "peak": 0, "max_rank": 0,
-                                                      "rank5_ops": []}
-
-    @property
-    def peak(self) -> int:
-        return self.state["peak"]
-
-    @property
-    def max_rank(self) -> int:
-        return self.state["max_rank"]
-
-    def _release(self, key):
-        live = self.state["live"]
-        nbytes, count = live[key]
-        if count > 1:
-            live[key] = (nbytes, count - 1)
-        else:
-            del live[key]
-            self.state["current"] -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        impl = self._impls.get(str(func))
-        if impl is not None:
-            with TensorTracker(self.state):
-                out = impl(*args, **(kwargs or {}))
-        else:
-            out = func(*args, **(kwargs or {}))
-        st, live = self.state, self.state["live"]
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st["max_rank"] = max(st["max_rank"], t.dim())
-            if t.dim() >= 5:
-                st["rank5_ops"].append(str(func))
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0:
-                continue
-            if key in live:
-                live[key] = (live[key][0], live[key][1] + 1)
-            else:
-                live[key] = (storage.nbytes(), 1)
-                st["current"] += storage.nbytes()
-                st["peak"] = max(st["peak"], st["current"])
-            weakref.finalize(t, self._release, key)
-        return out
 
 
 # ----------------------------------------------------------------------------- the two paths
@@ -127,34 +70,6 @@ def inputs(l: int, seed: int = 0):
 
 
 
-SLOW_S = 3.0
-
-
-def _repeat(fn, args, first: float, slow_s: float) -> list[float]:
-    """More timed runs: none for a slow call, two for a medium one, and for a fast one as many as fit
-    in ~1.5 s (at most 30); the minimum is reported (the machine may be shared)."""
-    times = [first]
-    if first > slow_s:
-        return times
-    budget, limit = (1.5, 30) if first < 0.3 else (0.0, 2)
-    spent = 0.0
-    while len(times) <= limit and (spent < budget or len(times) <= 2):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-    return times
-
-
-def measure(fn, args):
-    with TensorTracker() as tracker:
-        t0 = time.perf_counter()
-        out = fn(*args)
-        first = time.perf_counter() - t0
-    times = _repeat(fn, args, first, SLOW_S)
-    return min(times), tracker, out
-
-
 def check_module() -> float:
     """The eval module produces no rank-5 tensor and equals the 5-D formulation."""
     mod = build_variant("maw", seed=0, d_model=D_MODEL, n_heads=H, depth_dim=DEPTH).eval()
@@ -173,11 +88,7 @@ def check_module() -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
-    ap.add_argument("--quick", action="store_true", help="L = 64, 128 only (smoke test)")
-    args = ap.parse_args()
-    lengths = [64, 128] if args.quick else args.lengths
+    lengths = parse_lengths(__doc__.split("\n")[0])
     torch.set_grad_enabled(False)
     err = check_module()
     print(f"MAW inference, B={B} H={H} Dh={DH} depth={DEPTH}, fp32, CPU threads={torch.get_num_threads()}")
@@ -199,11 +110,7 @@ def main() -> None:
         print(f"  L={l} done", flush=True)
     header = ["L", "5-D logits ms", "slice logits ms", "logits speedup", "5-D attn ms", "slice attn ms",
               "attn speedup", "5-D peak MB", "slice peak MB", "max rank 5-D/slice", "max|diff|"]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print()
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print_table(header, rows)
     print()
     print("logits = the [B, H, L, L] selected-depth logits only; attn = logits + softmax + @ V. "
           "Peak MB = tensors allocated during the call. The slice path never produced a rank-5 tensor.")

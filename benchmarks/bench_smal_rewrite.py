@@ -22,86 +22,23 @@ is not seen; everything the formulas themselves allocate is.
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
-import weakref
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when run from elsewhere
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from _common import measure, parse_lengths, print_table, self_check_tracker
 
-from attnx.models import build_variant, custom_ops
+from attnx.models import build_variant
 from attnx.models.custom_ops import tta_distance
 from attnx.models.hooks import run_with_cache
 
 B, H, DH = 4, 12, 64
 D_MODEL = H * DH
 LITERAL_LIMIT_BYTES = 8e9
-
-
-# ----------------------------------------------------------------------------- memory tracking
-
-
-class PeakTensorMemory(TorchDispatchMode):
-    """Peak bytes of live tensors produced by aten ops inside the block (descends into attnx ops)."""
-
-    _impls = {"attnx.tta_distance.default": custom_ops.tta_distance._init_fn,
-              "attnx.maw_depth_select.default": custom_ops.maw_depth_select._init_fn}
-
-    def __init__(self, state=None):
-        super().__init__()
-        self.state = state if state is not None else {"live": {}, "current": 0, "peak": 0}
-
-    @property
-    def peak(self) -> int:
-        return self.state["peak"]
-
-    def _release(self, key):
-        live = self.state["live"]
-        nbytes, count = live[key]
-        if count > 1:
-            live[key] = (nbytes, count - 1)
-        else:
-            del live[key]
-            self.state["current"] -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        impl = self._impls.get(str(func))
-        if impl is not None:
-            with PeakTensorMemory(self.state):
-                out = impl(*args, **(kwargs or {}))
-        else:
-            out = func(*args, **(kwargs or {}))
-        live = self.state["live"]
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0:
-                continue
-            if key in live:
-                live[key] = (live[key][0], live[key][1] + 1)
-            else:
-                live[key] = (storage.nbytes(), 1)
-                self.state["current"] += storage.nbytes()
-                self.state["peak"] = max(self.state["peak"], self.state["current"])
-            weakref.finalize(t, self._release, key)
-        return out
-
-
-def _self_check_tracker() -> None:
-    x = torch.randn(256, 256)  # 256 KiB per result
-    with PeakTensorMemory() as mem:
-        a = x @ x
-        b = a * 2
-        del a
-        c = b + 1
-        del b, c
-    assert mem.peak == 2 * 256 * 256 * 4, mem.peak
-    assert mem.state["current"] == 0
 
 
 # ----------------------------------------------------------------------------- the three paths
@@ -148,34 +85,10 @@ def inputs(l: int, seed: int = 0):
 
 
 
-SLOW_S = 3.0
-
-
-def _repeat(fn, args, first: float, slow_s: float) -> list[float]:
-    """More timed runs: none for a slow call, two for a medium one, and for a fast one as many as fit
-    in ~1.5 s (at most 30); the minimum is reported (the machine may be shared)."""
-    times = [first]
-    if first > slow_s:
-        return times
-    budget, limit = (1.5, 30) if first < 0.3 else (0.0, 2)
-    spent = 0.0
-    while len(times) <= limit and (spent < budget or len(times) <= 2):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t0)
-        spent += times[-1]
-    return times
-
-
-def measure(fn, args):
-    """(best seconds, peak tracked bytes, output). The tracked run is timed too; fast calls are
-    re-run untracked and the best time is kept."""
-    with PeakTensorMemory() as mem:
-        t0 = time.perf_counter()
-        out = fn(*args)
-        first = time.perf_counter() - t0
-    times = _repeat(fn, args, first, SLOW_S)
-    return min(times), mem.peak, out
+def _timed(fn, args):
+    """(best seconds, peak tracked bytes, output): :func:`_common.measure`."""
+    seconds, tracker, out = measure(fn, args)
+    return seconds, tracker.peak, out
 
 
 def check_against_module() -> float:
@@ -200,24 +113,20 @@ def fmt_mb(nbytes: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024])
-    ap.add_argument("--quick", action="store_true", help="L = 64, 128 only (smoke test)")
-    args = ap.parse_args()
-    lengths = [64, 128] if args.quick else args.lengths
+    lengths = parse_lengths(__doc__.split("\n")[0])
     torch.set_grad_enabled(False)
-    _self_check_tracker()
+    self_check_tracker()
     err = check_against_module()
     print(f"SMAL attention core, B={B} H={H} Dh={DH} (d_model={D_MODEL}), fp32, CPU threads={torch.get_num_threads()}")
     print(f"paths agree with the module's reference output: max |diff| = {err:.1e}")
     rows = []
     for l in lengths:
         a = inputs(l)
-        t_rw, m_rw, z_rw = measure(rewrite, a)
-        t_ref, m_ref, z_ref = measure(reference, a)
+        t_rw, m_rw, z_rw = _timed(rewrite, a)
+        t_ref, m_ref, z_ref = _timed(reference, a)
         diff = (z_ref - z_rw).abs().max().item()
         if literal_bytes(l) <= LITERAL_LIMIT_BYTES:
-            t_lit, m_lit, z_lit = measure(literal, a)
+            t_lit, m_lit, z_lit = _timed(literal, a)
             diff = max(diff, (z_lit - z_rw).abs().max().item())
             lit = (f"{t_lit * 1e3:,.1f}", fmt_mb(m_lit), f"{t_lit / t_rw:,.0f}x")
         else:
@@ -229,11 +138,7 @@ def main() -> None:
     header = ("L", "reference ms", "literal ms", "rewrite ms", "ref/rewrite", "literal/rewrite",
               "ref peak MB", "literal peak MB", "rewrite peak MB", "max|z diff|")
     table = [[str(c) for c in (r[:9] + (r[10],))] for r in rows]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(header)]
-    print()
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    for t in table:
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print_table(header, table)
     # memory growth of the rewrite between successive lengths (O(L) -> ~2x per doubling)
     growth = [f"{rows[i][0]}->{rows[i + 1][0]}: x{rows[i + 1][9] / rows[i][9]:.2f}" for i in range(len(rows) - 1)]
     print()

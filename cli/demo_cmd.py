@@ -28,10 +28,23 @@ class _Row:
     ok: bool = True
     notes: list[str] = field(default_factory=list)
 
+    def fail(self, column: str, mark: str, *notes: str) -> None:
+        """A failed step: ``mark`` in its column, ``notes`` printed under the table."""
+        setattr(self, column, mark)
+        self.ok = False
+        self.notes.extend(notes)
+
 
 def _first_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text or type(e).__name__
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a failed step: a user-fixable error's message; anything else with its type."""
+    if isinstance(e, (UserError, typer.Exit)):
+        return _first_line(e)
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _size(n: int) -> str:
@@ -110,8 +123,7 @@ def register(app: typer.Typer) -> None:
                 row.export = f"ok, {params / 1e6:.2f}M"
                 console.print(f"exported {escape(str(res.path))} in {time.monotonic() - t0:.1f}s", highlight=False)
             except Exception as e:  # noqa: BLE001 - one variant failing must not stop the others
-                row.export, row.ok = f"[red]failed[/red]", False
-                row.notes.append(f"export: {_first_line(e)}")
+                row.fail("export", "[red]failed[/red]", f"export: {_first_line(e)}")
                 row.seconds = time.monotonic() - t0
                 continue
             # 2. build-engine --fp16
@@ -130,20 +142,15 @@ def register(app: typer.Typer) -> None:
                     console.print(f"engine {escape(str(engine_path))}: {_size(built.engine_bytes)}, "
                                   f"{built.plugin_layers} plugin layer(s), built in {built.sidecar['build_seconds']:.1f}s",
                                   highlight=False)
-                except (UserError, typer.Exit) as e:
-                    row.engine, row.ok = "[red]failed[/red]", False
-                    row.notes.append(f"build-engine: {_first_line(e)}")
                 except Exception as e:  # noqa: BLE001
-                    row.engine, row.ok = "[red]failed[/red]", False
-                    row.notes.append(f"build-engine: {type(e).__name__}: {_first_line(e)}")
+                    row.fail("engine", "[red]failed[/red]", f"build-engine: {_reason(e)}")
             else:
                 row.engine = "[yellow]skipped[/yellow]"
             if fp16_model is None:  # no engine: still check the fp16 model
                 try:
                     fp16_model, _ = eng.ensure_fp16(res.path)
                 except Exception as e:  # noqa: BLE001
-                    row.check, row.ok = "[red]failed[/red]", False
-                    row.notes.append(f"fp16: {_first_line(e)}")
+                    row.fail("check", "[red]failed[/red]", f"fp16: {_first_line(e)}")
                     row.seconds = time.monotonic() - t0
                     continue
             # 3. check (fp16 model, both lowerings, engine where it can run)
@@ -154,8 +161,7 @@ def register(app: typer.Typer) -> None:
                 if report.passed:
                     row.check = f"[green]pass[/green]{ties}"
                 else:
-                    row.check, row.ok = "[bold red]FAIL[/bold red]", False
-                    row.notes.extend(report.mismatches())
+                    row.fail("check", "[bold red]FAIL[/bold red]", *report.mismatches())
                 if report.engine is not None and not report.engine.get("ran"):
                     row.check += "*"
                     engine_note = report.engine.get("reason", "")
@@ -164,12 +170,8 @@ def register(app: typer.Typer) -> None:
                 console.print(f"check: {report.verdict} ({len(report.comparisons)} comparisons, "
                               f"{len(report.cases)} cases) in {report.seconds:.1f}s; report {escape(str(report_path))}",
                               highlight=False)
-            except (UserError, typer.Exit) as e:
-                row.check, row.ok = "[red]error[/red]", False
-                row.notes.append(f"check: {_first_line(e)}")
             except Exception as e:  # noqa: BLE001
-                row.check, row.ok = "[red]error[/red]", False
-                row.notes.append(f"check: {type(e).__name__}: {_first_line(e)}")
+                row.fail("check", "[red]error[/red]", f"check: {_reason(e)}")
             row.seconds = time.monotonic() - t0
 
         from rich import box

@@ -498,24 +498,25 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
         raise EngineBuildError(f"{src.name} has dynamic axes {', '.join(missing_axes)} without an optimization-profile "
                                f"range (no attnx metadata?): pass --shapes {missing_axes[0]}=min,opt,max")
 
+    seen: dict[str, Any] = {}
+
+    def inspect(parsed, profile_shapes) -> None:  # between parsing and building
+        seen.update(layers=parsed.layer_type_counts(), plugin_layers=parsed.plugin_layers(),
+                    attention=parsed.attention, profile_shapes=profile_shapes)
+        step("build")
+        seen["build_started"] = time.monotonic()
+
     step("parse")
     with native_stdout_to_stderr():
-        parsed = tb.parse_onnx(src, plugins=lib if lib is not None else False)
-    layers = parsed.layer_type_counts()
-    plugin_layer_list = parsed.plugin_layers()
+        plan = tb.build_engine(src, plugins=lib if lib is not None else False, target=target, profiles=profiles,
+                               timing_cache=timing_cache, workspace=parse_size(workspace),
+                               optimization_level=optimization_level, network_hook=inspect)
+    build_seconds = time.monotonic() - seen["build_started"]
+    layers, plugin_layer_list = seen["layers"], seen["plugin_layers"]
+    attention, profile_shapes = seen["attention"], seen["profile_shapes"]
     n_plugin = len(plugin_layer_list)
     inlined = max(0, n_custom - n_plugin)
-    attention = prepare_attention(parsed.network)
-    profile_shapes = tb.resolve_profiles(src, profiles=profiles, network=parsed.network)
     inputs, outputs = _bindings(info, proto)
-
-    step("build")
-    build_started = time.monotonic()
-    with native_stdout_to_stderr():
-        plan = build_plan(parsed, target=target, profile_shapes=profile_shapes, timing_cache=timing_cache,
-                          workspace=parse_size(workspace), optimization_level=optimization_level)
-    build_seconds = time.monotonic() - build_started
-    del parsed
 
     step("write")
     engine_path = Path(output) if output else default_engine_path(src)
@@ -565,111 +566,6 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     return EngineBuild(engine_path=engine_path, sidecar_path=side, sidecar=sidecar, onnx_path=src,
                        converted_fp16=converted, layers=layers, plugin_layers=n_plugin, custom_nodes=n_custom,
                        inlined_custom_nodes=inlined, seconds=time.monotonic() - started)
-
-
-# ============================================================================ TensorRT network and plan
-
-
-def _layers(network):
-    for i in range(network.num_layers):
-        yield network.get_layer(i)
-
-
-def prepare_attention(network) -> dict:
-    """Make the ONNX ``Attention`` layers buildable by TensorRT-RTX 1.7 (measured here):
-
-    - they are marked *decomposable*: without it the build fails ("Attention operation was not
-      supported by a dedicated kernel") for every fp32 attention and for fp16 attention with
-      head sizes that have no fused kernel (e.g. 8); with it TensorRT uses a fused kernel where
-      one exists and decomposes the rest;
-    - in an fp16 model with fp32 attention islands (``attnx.export.to_fp16`` keeps Attention in
-      fp32), the additive mask is handed to the attention in fp16 instead of through its
-      fp16->fp32 Cast: the build otherwise fails inside Myelin ("Input 0's element type (half)
-      differs from input 1's element type (float)"). Exact: that Cast is lossless.
-
-    Returns ``{"layers": n, "decomposable": n_marked, "mask_casts_bypassed": k}``."""
-    from attnx.runtime import tensorrt_backend as tb
-
-    trt = tb.backend().module
-    stats = {"layers": 0, "decomposable": 0, "mask_casts_bypassed": 0}
-    input_type = getattr(getattr(trt, "LayerType", None), "ATTENTION_INPUT", None)
-    layer_cls = getattr(trt, "IAttentionInputLayer", None)
-    if input_type is None or layer_cls is None:
-        return stats  # a TensorRT without IAttention: the parser decomposes attention itself
-    producers = {}
-    for layer in _layers(network):
-        for j in range(layer.num_outputs):
-            producers[layer.get_output(j).name] = layer
-    for layer in _layers(network):
-        if layer.type != input_type:
-            continue
-        try:
-            layer.__class__ = layer_cls  # pybind downcast, as Polygraphy does
-            att = layer.attention
-        except (AttributeError, TypeError):
-            continue
-        stats["layers"] += 1
-        if hasattr(att, "decomposable") and not att.decomposable:
-            att.decomposable = True
-            stats["decomposable"] += 1
-        mask = getattr(att, "mask", None)
-        query = att.get_input(0) if att.num_inputs else None
-        cast = producers.get(mask.name) if mask is not None else None
-        if cast is None or query is None or cast.type != trt.LayerType.CAST:
-            continue
-        src = cast.get_input(0)
-        if query.dtype == trt.DataType.FLOAT and mask.dtype == trt.DataType.FLOAT and src.dtype == trt.DataType.HALF:
-            att.mask = src
-            stats["mask_casts_bypassed"] += 1
-    return stats
-
-
-def build_plan(parsed, *, target: str | None, profile_shapes: Mapping[str, tuple],
-               timing_cache: str | os.PathLike | None = None, workspace: int | None = None,
-               optimization_level: int | None = None) -> bytes:
-    """Serialize an engine from an already parsed (and :func:`prepare_attention` d) network.
-
-    The same steps as ``tensorrt_backend.build_engine``, which parses the file itself and so
-    leaves no room to adjust the network in between; it uses the adapter's target, profile
-    and logger helpers."""
-    from attnx import plugins as plugin_pkg
-    from attnx.runtime import tensorrt_backend as tb
-
-    info = tb.backend()
-    trt = info.module
-    logger = tb.get_logger()
-    builder, network = parsed.builder, parsed.network
-    config = builder.create_builder_config()
-    tb.apply_target(config, target, info)
-    if profile_shapes:
-        profile = builder.create_optimization_profile()
-        for name, (lo, mid, hi) in profile_shapes.items():
-            profile.set_shape(name, lo, mid, hi)
-        config.add_optimization_profile(profile)
-    if workspace is not None:
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace))
-    if optimization_level is not None:
-        config.builder_optimization_level = int(optimization_level)
-    cache_path = Path(timing_cache) if timing_cache and not info.is_rtx else None  # RTX has no timing cache
-    if cache_path is not None:
-        cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-        config.set_timing_cache(cache, False)
-    library = parsed.plugins
-    if library is not None:
-        plugin_pkg.clear_plugin_errors(library.path)
-    mark = logger.mark()
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
-        plugin_msgs = (plugin_pkg.plugin_errors(library.path) if library is not None else []) \
-            + logger.plugin_messages(mark)
-        errors = list(dict.fromkeys(m.strip() for m in [*plugin_msgs, *logger.messages(mark)] if m and m.strip()))
-        raise tb.BuildError(f"TensorRT ({info.describe()}) could not build an engine from {parsed.path}: "
-                            + (" | ".join(errors) if errors else "no error message (run with logging at DEBUG)"),
-                            errors=errors)
-    if cache_path is not None:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_bytes(bytes(config.get_timing_cache().serialize()))
-    return bytes(plan)
 
 
 # ============================================================================ errors

@@ -35,6 +35,9 @@ Known traps handled here (see shared/spec/environment.md):
 - Plugins are loaded through ``IPluginRegistry.load_library`` (not ``dlopen``), which
   calls the library's ``getCreators`` / ``setLoggerFinder``.
 - Polygraphy imports a module named ``tensorrt_rtx``: :func:`register_polygraphy_alias`.
+- TensorRT-RTX 1.7 fails to build the parsed ONNX ``Attention`` layers (fp32 attention, fp16 with
+  odd head sizes, fp32 attention islands in fp16 models): :func:`build_engine` applies
+  :func:`prepare_attention` to every network first.
 
 Measured with TensorRT-RTX 1.7.1.116 (CPU-only machine): engines build for SM75-SM121 and
 call the plugins' build-time methods; timing caches are no-ops (``timing_cache`` is ignored);
@@ -88,6 +91,8 @@ __all__ = [
     "parse_target",
     "apply_target",
     "resolve_profiles",
+    "prepare_attention",
+    "NetworkHook",
     "build_engine",
     "Engine",
     "deserialize",
@@ -504,6 +509,8 @@ class ParsedNetwork:
     network: Any
     parser: Any
     plugins: PluginLibrary | None
+    #: What :func:`prepare_attention` did to the network (set by :func:`build_engine`), else None.
+    attention: dict | None = None
 
     @property
     def inputs(self) -> list[TensorInfo]:
@@ -711,11 +718,69 @@ def resolve_profiles(onnx_path: str | os.PathLike, *, profiles: Mapping[str, Seq
     return out
 
 
+def _layers(network):
+    for i in range(network.num_layers):
+        yield network.get_layer(i)
+
+
+def prepare_attention(network) -> dict:
+    """Make the ONNX ``Attention`` layers buildable by TensorRT-RTX 1.7 (measured here;
+    :func:`build_engine` calls it on every network it builds):
+
+    - they are marked *decomposable*: without it the build fails ("Attention operation was not
+      supported by a dedicated kernel") for every fp32 attention and for fp16 attention with
+      head sizes that have no fused kernel (e.g. 8); with it TensorRT uses a fused kernel where
+      one exists and decomposes the rest;
+    - in an fp16 model with fp32 attention islands (``attnx.export.to_fp16`` keeps Attention in
+      fp32), the additive mask is handed to the attention in fp16 instead of through its
+      fp16->fp32 Cast: the build otherwise fails inside Myelin ("Input 0's element type (half)
+      differs from input 1's element type (float)"). Exact: that Cast is lossless.
+
+    A TensorRT without ``IAttention`` layers (the parser decomposes attention itself) is left
+    alone. Returns ``{"layers": n, "decomposable": n_marked, "mask_casts_bypassed": k}``."""
+    trt = backend().module
+    stats = {"layers": 0, "decomposable": 0, "mask_casts_bypassed": 0}
+    input_type = getattr(getattr(trt, "LayerType", None), "ATTENTION_INPUT", None)
+    layer_cls = getattr(trt, "IAttentionInputLayer", None)
+    if input_type is None or layer_cls is None:
+        return stats  # a TensorRT without IAttention: the parser decomposes attention itself
+    producers = {}
+    for layer in _layers(network):
+        for j in range(layer.num_outputs):
+            producers[layer.get_output(j).name] = layer
+    for layer in _layers(network):
+        if layer.type != input_type:
+            continue
+        try:
+            layer.__class__ = layer_cls  # pybind downcast, as Polygraphy does
+            att = layer.attention
+        except (AttributeError, TypeError):
+            continue
+        stats["layers"] += 1
+        if hasattr(att, "decomposable") and not att.decomposable:
+            att.decomposable = True
+            stats["decomposable"] += 1
+        mask = getattr(att, "mask", None)
+        query = att.get_input(0) if att.num_inputs else None
+        cast = producers.get(mask.name) if mask is not None else None
+        if cast is None or query is None or cast.type != trt.LayerType.CAST:
+            continue
+        src = cast.get_input(0)
+        if query.dtype == trt.DataType.FLOAT and mask.dtype == trt.DataType.FLOAT and src.dtype == trt.DataType.HALF:
+            att.mask = src
+            stats["mask_casts_bypassed"] += 1
+    return stats
+
+
+#: ``network_hook(parsed, profile_shapes)`` of :func:`build_engine`.
+NetworkHook = Callable[[ParsedNetwork, Mapping[str, tuple]], None]
+
+
 def build_engine(onnx_path: str | os.PathLike, *, plugins: str | os.PathLike | bool | None = True,
                  target: str | int | None = "sm89", profiles: Mapping[str, Sequence[int]] | None = None,
                  shapes: Mapping[str, Sequence[Sequence[int]]] | None = None,
                  timing_cache: str | os.PathLike | None = None, workspace: int | None = None,
-                 optimization_level: int | None = None) -> bytes:
+                 optimization_level: int | None = None, network_hook: NetworkHook | None = None) -> bytes:
     """Build a serialized engine (plan bytes) from an ONNX file.
 
     - ``target``: TensorRT-RTX builds for this compute capability (``"sm89"`` default; None =
@@ -724,19 +789,26 @@ def build_engine(onnx_path: str | os.PathLike, *, plugins: str | os.PathLike | b
     - ``timing_cache``: a file read when present and written after the build (full TensorRT;
       TensorRT-RTX has no timing cache, the argument is ignored there).
     - ``workspace``: workspace memory-pool limit in bytes.
-    The network is strongly typed (fp16 comes from an fp16 ONNX; there is no FP16 flag).
-    Raises :class:`BuildError` (with the plugins' messages), :class:`ParseError`, ...
+    - ``network_hook(parsed, profile_shapes)``: called just before the build with the
+      :class:`ParsedNetwork` and the optimization-profile shapes (:func:`resolve_profiles`), to
+      inspect the network (layer counts, plugin layers; ``parsed.attention``) or adjust it.
+    The parsed network goes through :func:`prepare_attention` first (its counts are kept in
+    ``parsed.attention``). The network is strongly typed (fp16 comes from an fp16 ONNX; there is
+    no FP16 flag). Raises :class:`BuildError` (with the plugins' messages), :class:`ParseError`, ...
     """
     info = backend()
     trt = info.module
     logger = get_logger()
     parsed = parse_onnx(onnx_path, plugins=plugins)
     builder, network = parsed.builder, parsed.network
+    parsed.attention = prepare_attention(network)
     config = builder.create_builder_config()
 
     apply_target(config, target, info)
 
     ranges = resolve_profiles(onnx_path, profiles=profiles, shapes=shapes, network=network)
+    if network_hook is not None:
+        network_hook(parsed, ranges)
     if ranges:
         profile = builder.create_optimization_profile()
         for name, (lo, mid, hi) in ranges.items():

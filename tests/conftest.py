@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -29,3 +30,17 @@ def exported(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def plugin_lib() -> Path:
+    """The built attnx plugin library (`make test` builds it first); built here only when missing,
+    skipped when nvcc is not there to compile it."""
+    from attnx import plugins
+
+    path = plugins.library_path()
+    if path is None:
+        if plugins.find_nvcc() is None:
+            pytest.skip("nvcc not found: the plugin library is not built and cannot be compiled here")
+        path = plugins.build()
+    return path

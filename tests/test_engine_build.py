@@ -34,18 +34,6 @@ def backend():
     return tb.backend()
 
 
-@pytest.fixture(scope="module")
-def plugin_lib(backend):
-    from attnx import plugins
-
-    path = plugins.library_path()
-    if path is None:
-        if plugins.find_nvcc() is None:
-            pytest.skip("the plugin library is not built and nvcc is missing")
-        path = plugins.build()
-    return path
-
-
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_build_every_variant(exported, backend, plugin_lib, tmp_path, variant, fp16):
@@ -225,7 +213,7 @@ def test_prepare_attention_without_iattention():
     class Net:  # a TensorRT without IAttention (older full TensorRT): nothing to do, no error
         num_layers = 0
 
-    stats = eng.prepare_attention(Net())
+    stats = tb.prepare_attention(Net())
     assert stats["layers"] == 0
 
 

@@ -17,17 +17,6 @@ from attnx import plugins
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session")
-def plugin_lib() -> Path:
-    """The built library (`make test` builds it first); built here only when missing."""
-    path = plugins.library_path()
-    if path is None:
-        if plugins.find_nvcc() is None:
-            pytest.skip("nvcc not found: the plugin library cannot be compiled here")
-        path = plugins.build()
-    return path
-
-
 def _tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:

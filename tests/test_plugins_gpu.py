@@ -13,7 +13,6 @@ import math
 
 import pytest
 
-from attnx import plugins
 from attnx.plugins import kernels
 
 try:
@@ -30,13 +29,8 @@ gpu = pytest.mark.skipif(not _CUDA, reason=f"needs an NVIDIA GPU ({_WHY})")
 
 
 @pytest.fixture(scope="module")
-def lib() -> kernels.KernelLibrary:
-    path = plugins.library_path()
-    if path is None:
-        if plugins.find_nvcc() is None:
-            pytest.skip("nvcc not found: the plugin library cannot be compiled here")
-        path = plugins.build()
-    return kernels.load(path)
+def lib(plugin_lib) -> kernels.KernelLibrary:
+    return kernels.load(plugin_lib)
 
 
 # ---------------------------------------------------------------------------------------- references

@@ -30,16 +30,6 @@ FLOAT, HALF, INT64, INT32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.
 
 
 @pytest.fixture(scope="session")
-def plugin_lib() -> Path:
-    path = plugins.library_path()
-    if path is None:
-        if plugins.find_nvcc() is None:
-            pytest.skip("nvcc not found: the plugin library cannot be compiled here")
-        path = plugins.build()
-    return path
-
-
-@pytest.fixture(scope="session")
 def trt_info() -> tb.BackendInfo:
     try:
         return tb.backend()
