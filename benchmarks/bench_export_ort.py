@@ -32,20 +32,27 @@ CONFIGS = [  # (batch, seq, d_model, heads)
 ]
 
 
-def timeit(fn, min_runs=3, budget_s=4.0) -> float:
-    t = time.perf_counter()
-    fn()  # warm-up
-    if time.perf_counter() - t > budget_s:  # a slow path (smal's literal distance at L=512): one more run
+def timed_interleaved(fns: dict, min_rounds: int = 5, budget_s: float = 8.0) -> dict[str, float]:
+    """Median seconds per callable, timing them in alternation (round-robin) so noise from a
+    shared machine hits every contender alike. A path slower than the budget runs once."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    slow = set()
+    for name, fn in fns.items():  # warm-up, and spot the very slow paths
         t = time.perf_counter()
         fn()
-        return time.perf_counter() - t
-    times = []
+        if time.perf_counter() - t > budget_s / 2:
+            slow.add(name)
     start = time.perf_counter()
-    while len(times) < min_runs or (time.perf_counter() - start < budget_s and len(times) < 50):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() - start < budget_s and rounds < 50):
+        for name, fn in fns.items():
+            if name in slow and times[name]:
+                continue
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+        rounds += 1
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def ort_session(path: Path) -> ort.InferenceSession:
@@ -71,22 +78,26 @@ def main() -> None:
             model = build_encoder(variant, d_model=d, n_heads=h, n_layers=2, seed=0)
             feeds = example_inputs(model, batch, seq, seed=1)
             np_feeds = {k: v.numpy() for k, v in feeds.items()}
-            with torch.inference_mode():
-                eager = timeit(lambda: model(**feeds))
-            extra = ""
-            if variant == "smal":
-                for block in model.blocks:
-                    block.attn.config.use_rewrite = True
-                with torch.inference_mode():
-                    extra = f" (rewrite path {timeit(lambda: model(**feeds)) * 1e3:.1f})"
-                for block in model.blocks:
-                    block.attn.config.use_rewrite = False
-            ort_ms = {}
+            sessions = {}
             for lowering in ("plugin", "rewrite"):
                 path = export_encoder(model, folder / f"{variant}-{lowering}-{seq}.onnx", lowering=lowering,
                                       save_weights=False).path
-                sess = ort_session(path)
-                ort_ms[lowering] = timeit(lambda: sess.run(None, np_feeds))
+                sessions[lowering] = ort_session(path)
+
+            def eager_run(m=model, f=feeds):
+                with torch.inference_mode():
+                    m(**f)
+
+            contenders = {"eager": eager_run,
+                          "plugin": lambda s=sessions["plugin"]: s.run(None, np_feeds),
+                          "rewrite": lambda s=sessions["rewrite"]: s.run(None, np_feeds)}
+            if variant == "smal":
+                rewrite_model = build_encoder(variant, d_model=d, n_heads=h, n_layers=2, seed=0, use_rewrite=True)
+                contenders["eager_rewrite"] = lambda m=rewrite_model: eager_run(m)
+            t = timed_interleaved(contenders)
+            eager = t["eager"]
+            ort_ms = {"plugin": t["plugin"], "rewrite": t["rewrite"]}
+            extra = f" (rewrite path {t['eager_rewrite'] * 1e3:.1f})" if "eager_rewrite" in t else ""
             table.add_row(variant, f"{batch}x{seq}, {d}/{h}", f"{eager * 1e3:.1f}{extra}",
                           f"{ort_ms['plugin'] * 1e3:.1f}", f"{ort_ms['rewrite'] * 1e3:.1f}",
                           f"{eager / ort_ms['plugin']:.2f}", f"{eager / ort_ms['rewrite']:.2f}",
