@@ -59,6 +59,9 @@ def ort_session(path: Path) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.intra_op_num_threads = torch.get_num_threads()
+    # No busy-waiting after a run (as attnx.runtime does): a spinning pool would steal the cores
+    # from whichever contender runs next in the interleaved timing.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 

@@ -132,16 +132,16 @@ def example_inputs(model: Encoder, batch: int = 2, seq: int = 8, seed: int = 0) 
 @contextlib.contextmanager
 def _lowering_mode(model: Encoder, lowering: str):
     """smal layers take the exact rewrite path under the rewrite lowering (restored afterwards)."""
-    saved = []
-    for block in model.blocks:
-        if block.variant == "smal":
-            saved.append((block.attn.config, block.attn.config.use_rewrite))
-            block.attn.config.use_rewrite = lowering == "rewrite"
+    # Layers of one variant share one config object: record each object once.
+    configs = {id(b.attn.config): b.attn.config for b in model.blocks if b.variant == "smal"}
+    saved = {key: cfg.use_rewrite for key, cfg in configs.items()}
+    for cfg in configs.values():
+        cfg.use_rewrite = lowering == "rewrite"
     try:
         yield
     finally:
-        for cfg, value in saved:
-            cfg.use_rewrite = value
+        for key, cfg in configs.items():
+            cfg.use_rewrite = saved[key]
 
 
 # --------------------------------------------------------------------------- graph post-processing

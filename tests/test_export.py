@@ -245,3 +245,18 @@ def test_external_data_for_large_models(tmp_path, monkeypatch):
 def test_opset_range_is_checked(tmp_path):
     with pytest.raises(ValueError, match="opset must be in"):
         export_variant("mha", tmp_path / "x.onnx", overrides={"d_model": 32, "n_heads": 4}, opset=11)
+
+
+def test_export_leaves_the_model_unchanged(tmp_path):
+    from attnx.export import export_encoder
+    from attnx.models import build_encoder
+
+    model = build_encoder("smal", d_model=32, n_heads=4, n_layers=2)
+    feeds = example_inputs(model, 2, 6)
+    with torch.no_grad():
+        before = model(**feeds)
+    for lowering in ("rewrite", "plugin"):
+        export_encoder(model, tmp_path / f"{lowering}.onnx", lowering=lowering, save_weights=False)
+        assert [b.attn.config.use_rewrite for b in model.blocks] == [False, False]  # the reference path again
+        with torch.no_grad():
+            assert torch.equal(model(**feeds), before)
