@@ -45,7 +45,9 @@ def timed_interleaved(fns: dict, min_rounds: int = 5, budget_s: float = 8.0) -> 
     start = time.perf_counter()
     rounds = 0
     while rounds < min_rounds or (time.perf_counter() - start < budget_s and rounds < 50):
-        for name, fn in fns.items():
+        order = list(fns.items())
+        order = order[rounds % len(order):] + order[:rounds % len(order)]  # rotate: no one always follows eager
+        for name, fn in order:
             if name in slow and times[name]:
                 continue
             t = time.perf_counter()
