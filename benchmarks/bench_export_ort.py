@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 import torch
 from rich.console import Console

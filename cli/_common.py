@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import Callable, TypeVar

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
                 table.add_row(k, repr(d))
             console.print(table)
             inputs = ", ".join(f"{c['name']} [{', '.join(map(str, c['shape']))}] {c['dtype']}" for c in v["context"])
-            console.print(escape(f"  inputs: hidden_states [batch, seq, d_model], attention_mask [batch, seq]"
+            console.print(escape("  inputs: hidden_states [batch, seq, d_model], attention_mask [batch, seq]"
                                  + (f", {inputs}" if inputs else "")))
             console.print(f"  outputs: {', '.join(v['outputs'])}\n")
         enc = EncoderConfig()

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnx.models.common import AttentionConfig, InputSpec, check_choice, check_tensor

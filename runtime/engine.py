@@ -254,7 +254,7 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
 
     from attnx.export.exporter import sha256_file
     from attnx.export.fp16 import to_fp16
-    from attnx.export.metadata import ModelInfo, read_metadata, write_metadata
+    from attnx.export.metadata import ModelInfo, write_metadata
 
     src = Path(path)
     info, proto = read_model_info(src)

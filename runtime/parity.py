@@ -668,7 +668,7 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
     from polygraphy.comparator import Comparator
 
     from attnx.export.exporter import sha256_file
-    from attnx.runtime.engine import read_sidecar, verify_engine_file
+    from attnx.runtime.engine import verify_engine_file
 
     started = time.monotonic()
     step = progress or (lambda name: None)

@@ -11,7 +11,7 @@ import pytest
 
 from attnx.runtime import load
 from attnx.runtime.protocol import Limits
-from conftest_runtime import EXPORT_KW, assert_outputs_equal, request, running_server
+from conftest_runtime import EXPORT_KW, assert_outputs_equal, running_server
 
 MAX_BODY = 256 << 10  # small, so an oversize body is cheap to send
 
