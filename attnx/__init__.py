@@ -16,7 +16,7 @@ __all__ = ["__version__", "VARIANTS", "build_variant", "build_encoder"]
 
 def __getattr__(name: str):
     if name in ("VARIANTS", "build_variant", "build_encoder"):
-        from attnx.models import registry
+        import attnx.models
 
-        return getattr(registry, name)
+        return getattr(attnx.models, name)
     raise AttributeError(f"module 'attnx' has no attribute {name!r}")

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from attnx.models import custom_ops
+from attnx.models import maw, smal
 
 #: A first run slower than this (seconds) is not repeated.
 SLOW_S = 3.0
@@ -30,8 +30,8 @@ class TensorTracker(TorchDispatchMode):
     when their last tensor dies) and the largest rank produced (``rank5_ops``: the ops that produced
     rank >= 5). Descends into the attnx custom ops."""
 
-    _impls = {"attnx.tta_distance.default": custom_ops.tta_distance._init_fn,
-              "attnx.maw_depth_select.default": custom_ops.maw_depth_select._init_fn}
+    _impls = {"attnx.tta_distance.default": smal.tta_distance._init_fn,
+              "attnx.maw_depth_gather.default": maw.maw_depth_gather._init_fn}
 
     def __init__(self, state=None):
         super().__init__()

@@ -95,9 +95,6 @@ def main() -> None:
             contenders = {"eager": eager_run,
                           "plugin": lambda s=sessions["plugin"]: s.run(None, np_feeds),
                           "rewrite": lambda s=sessions["rewrite"]: s.run(None, np_feeds)}
-            if variant == "smal":
-                rewrite_model = build_encoder(variant, d_model=d, n_heads=h, n_layers=2, seed=0, use_rewrite=True)
-                contenders["eager_rewrite"] = lambda m=rewrite_model: eager_run(m)
             t = timed_interleaved(contenders)
             eager = t["eager"]
             ort_ms = {"plugin": t["plugin"], "rewrite": t["rewrite"]}

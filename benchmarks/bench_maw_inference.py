@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from _common import TensorTracker, measure, parse_lengths, print_table
 
 from attnx.models import build_variant
-from attnx.models.custom_ops import maw_depth_select
-from attnx.models.maw import maw_logits_5d
+from attnx.models.maw import maw_depth_gather, maw_logits_5d
 
 B, H, DH, DEPTH = 4, 12, 64, 5
 D_MODEL = H * DH
@@ -45,7 +44,8 @@ def logits_5d(qd, kd, policy_logits):
 
 
 def logits_slice(qd, kd, policy_logits):
-    return maw_depth_select(qd, kd, policy_logits, SCALE)[0]
+    q_sel, k_sel, _ = maw_depth_gather(qd, kd, policy_logits)  # [B, H, L, 1]
+    return (q_sel * SCALE) @ k_sel.transpose(-1, -2)
 
 
 def attention_5d(qd, kd, policy_logits, v):

@@ -3,12 +3,12 @@
 Three implementations of the same ``z = softmax(q k^T / sqrt(Dh) - gamma beta D) V``
 (``D_ij = (q_i - k_j)^T T (q_i - k_j)``), given q, k, v ``[B, H, L, Dh]`` and T ``[B, 1, Dh, Dh]``:
 
-- ``reference``: what ``SelfModulatedAttention`` runs with ``use_rewrite=False``:
+- ``reference``: what ``SelfModulatedAttention`` runs on the reference path (``attnx.models.reference()``):
   ``attnx::tta_distance`` (the literal formula, chunked over query rows so that its
   ``[B, H, rows, Lk, Dh]`` temporaries stay below 2**25 elements), scores, softmax, ``@ V``;
 - ``literal``: the same formula unchunked (``q_i - k_j`` for all pairs at once, ``[B, H, L, L, Dh]``
   three times over); skipped, with its estimated size, where that would exceed ~8 GB;
-- ``rewrite``: what ``use_rewrite=True`` runs: queries ``q M``, a per-key bias ``-gamma beta k^T T k``
+- ``rewrite``: what the default (fast) path runs: queries ``q M``, a per-key bias ``-gamma beta k^T T k``
   and one fused ``scaled_dot_product_attention`` call.
 
 Time: best of a few runs (one run where a run takes more than a few seconds), all in this process.
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from _common import measure, parse_lengths, print_table, self_check_tracker
 
 from attnx.models import build_variant
-from attnx.models.custom_ops import tta_distance
-from attnx.models.hooks import run_with_cache
+from attnx.models.smal import tta_distance
+from attnx.interp.hooks import run_with_cache
 
 B, H, DH = 4, 12, 64
 D_MODEL = H * DH
@@ -61,7 +61,7 @@ def literal(q, k, v, trace, gb):
 
 
 def rewrite(q, k, v, trace, gb):
-    """SelfModulatedAttention's use_rewrite=True branch (no mask)."""
+    """SelfModulatedAttention's fast path (no mask)."""
     b, h, l, dh = q.shape
     t_sym = trace + trace.transpose(-1, -2)
     m = torch.eye(dh, dtype=q.dtype) * (1.0 / math.sqrt(dh)) + gb * t_sym  # [B, 1, Dh, Dh]
@@ -143,8 +143,8 @@ def main() -> None:
     growth = [f"{rows[i][0]}->{rows[i + 1][0]}: x{rows[i + 1][9] / rows[i][9]:.2f}" for i in range(len(rows) - 1)]
     print()
     print("rewrite peak-memory growth per step of L: " + ", ".join(growth))
-    print("reference = chunked attnx::tta_distance (the module's use_rewrite=False path); literal = unchunked "
-          "formula (skipped above ~8 GB); rewrite = use_rewrite=True path (fused SDPA, no padding mask). "
+    print("reference = chunked attnx::tta_distance (the module's reference path); literal = unchunked "
+          "formula (skipped above ~8 GB); rewrite = the default fast path (fused SDPA, no padding mask). "
           "Peak MB = tensors allocated during the call.")
 
 

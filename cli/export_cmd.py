@@ -16,10 +16,9 @@ def parse_sets(variant: str, sets: list[str]) -> dict:
     from dataclasses import fields
 
     from attnx.models.encoder import EncoderConfig
-    from attnx.models.registry import get_variant, variant_options
+    from attnx.models.spec import get_spec
 
-    get_variant(variant)
-    defaults = {**variant_options(variant), **{f.name: f.default for f in fields(EncoderConfig)}}
+    defaults = {**get_spec(variant).options(), **{f.name: f.default for f in fields(EncoderConfig)}}
     out = {}
     for item in sets:
         if "=" not in item:
@@ -48,23 +47,11 @@ def parse_sets(variant: str, sets: list[str]) -> dict:
     return out
 
 
-def parse_profile(text: str | None, axis: str) -> tuple[int, int, int] | None:
-    if text is None:
-        return None
-    try:
-        vals = tuple(int(v) for v in text.replace(":", ",").split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 3:
-        raise UserError(f"--{axis} {text!r}: expected min,opt,max (three integers)")
-    return vals  # type: ignore[return-value]
-
-
 def register(app: typer.Typer) -> None:
     @app.command("export")
     @guarded
     def export(
-        variant: str = typer.Option(..., "--variant", help="mha | cultural | metaphor | maw | smal"),
+        variant: str = typer.Option(..., "--variant", help="A registered variant (see `attnx variants`)."),
         output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .onnx (default: attnx-out/<variant>.onnx)."),
         lowering: str = typer.Option("plugin", "--lowering", help="plugin (custom ops) | rewrite (standard ops only)"),
         fp16: bool = typer.Option(False, "--fp16", help="fp16 weights/activations; softmax, LayerNorm, reductions in fp32."),
@@ -79,7 +66,8 @@ def register(app: typer.Typer) -> None:
         """Export a variant's encoder stack to ONNX (custom ops in domain attnx)."""
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        from attnx.export.exporter import DEFAULT_PROFILES, LOWERINGS, STEPS, default_path, export_variant
+        from attnx.contract import DEFAULT_PROFILES, parse_profile
+        from attnx.export.exporter import LOWERINGS, STEPS, default_path, export_variant
 
         if lowering not in LOWERINGS:
             raise UserError(f"--lowering {lowering!r}: valid: {', '.join(LOWERINGS)}")
@@ -88,8 +76,8 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--layers must be >= 1, got {layers}")
         profiles = dict(DEFAULT_PROFILES)
         for axis, text in (("batch", batch), ("seq", seq)):
-            if (p := parse_profile(text, axis)) is not None:
-                profiles[axis] = p
+            if text is not None:
+                profiles[axis] = parse_profile(text, f"--{axis}")
         path = output or default_path(variant, lowering, fp16, workdir())
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=False) as progress:
@@ -114,9 +102,9 @@ def register(app: typer.Typer) -> None:
         from rich.markup import escape
         from rich.table import Table
 
-        from attnx.export.inspect import inspect_model
+        from attnx.export.describe import describe_model
 
-        info = inspect_model(model)
+        info = describe_model(model)
         if as_json:
             typer.echo(json.dumps(info, indent=2))
             return

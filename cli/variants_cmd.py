@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
         from rich.markup import escape
         from rich.table import Table
 
-        from attnx.models.registry import ENCODER_OPTIONS, describe_variants
+        from attnx.models.build import ENCODER_OPTIONS, describe_variants
         from attnx.models.encoder import EncoderConfig
 
         info = describe_variants()
@@ -35,7 +35,10 @@ def register(app: typer.Typer) -> None:
             inputs = ", ".join(f"{c['name']} [{', '.join(map(str, c['shape']))}] {c['dtype']}" for c in v["context"])
             console.print(escape("  inputs: hidden_states [batch, seq, d_model], attention_mask [batch, seq]"
                                  + (f", {inputs}" if inputs else "")))
-            console.print(f"  outputs: {', '.join(v['outputs'])}\n")
+            console.print(f"  outputs: {', '.join(v['outputs'])}")
+            if v["custom_ops"]:
+                console.print(f"  custom ops: {', '.join('attnx::' + op for op in v['custom_ops'])}")
+            console.print()
         enc = EncoderConfig()
         console.print("encoder options (every variant): "
                       + ", ".join(f"{k}={getattr(enc, k)!r}" for k in ENCODER_OPTIONS))

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from attnx.models import build_encoder
-from attnx.models.analysis import analyze_heads, format_behaviors
-from attnx.models.gpt2 import load_gpt2
-from attnx.models.hooks import patch_heads, run_with_cache
-from attnx.models.visualize import save_attention_html, save_layer_pngs, visualize_text
+from attnx.interp.analysis import analyze_heads, format_behaviors
+from attnx.pretrained.gpt2 import load_gpt2
+from attnx.interp import patch_heads, run_with_cache
+from attnx.interp.visualize import save_attention_html, save_layer_pngs, visualize_text
 
 TEXT = "the cat sat on the mat and the dog sat on the log"
 

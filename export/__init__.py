@@ -1,12 +1,13 @@
-"""ONNX export of attnx encoders with the ``attnx`` custom ops.
+"""ONNX export of attnx models with the attnx custom ops.
 
-Public names: ``export_variant``, ``export_encoder``, ``ExportResult``, ``to_fp16``,
-``read_metadata``, ``ModelInfo``; the custom ops live in ``attnx.export.ops``.
+Public names: ``export_variant``, ``export_encoder``, ``ExportResult``, ``to_fp16``, ``describe_model``,
+``load_checkpoint``, ``save_checkpoint``; custom-op plumbing in :mod:`attnx.export.ops`.
 """
 
+from attnx.export.checkpoint import load_checkpoint, save_checkpoint
+from attnx.export.describe import describe_model
 from attnx.export.exporter import DEFAULT_OPTIONS, LOWERINGS, ExportResult, export_encoder, export_variant
 from attnx.export.fp16 import to_fp16
-from attnx.export.metadata import ModelInfo, read_metadata
 
-__all__ = ["export_variant", "export_encoder", "ExportResult", "to_fp16", "read_metadata", "ModelInfo",
-           "LOWERINGS", "DEFAULT_OPTIONS"]
+__all__ = ["export_variant", "export_encoder", "ExportResult", "to_fp16", "describe_model", "load_checkpoint",
+           "save_checkpoint", "LOWERINGS", "DEFAULT_OPTIONS"]

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnx.models.common import AttentionBase, AttentionConfig, InputSpec, check_choice
+from attnx.models.attention import AttentionBase, AttentionConfig
+from attnx.models.signature import InputSpec, check_choice
+from attnx.models.spec import Placement, VariantSpec, register
 
 GATE_BIAS_INIT = 4.0
 
@@ -47,8 +49,6 @@ class CulturalConfig(AttentionConfig):
 
 
 class CulturalAttention(AttentionBase):
-    context_names = ("cultural",)
-
     def __init__(self, config: CulturalConfig):
         super().__init__(config)
         h, dh, dc = config.n_heads, config.head_dim, config.d_cultural
@@ -65,8 +65,9 @@ class CulturalAttention(AttentionBase):
             self.b_g = nn.Parameter(torch.full((h, dh), GATE_BIAS_INIT))
             self.C_f = nn.Sequential(nn.Linear(dc, h * dh), nn.GELU(), nn.Linear(h * dh, h * dh))
 
-    def context_specs(self) -> list[InputSpec]:
-        return [InputSpec("cultural", ("batch", self.config.d_cultural), "float", "context",
+    @staticmethod
+    def context_inputs(config: CulturalConfig) -> list[InputSpec]:
+        return [InputSpec("cultural", ("batch", config.d_cultural), "float", "context",
                           "cultural context vector per example")]
 
     def lambda_(self, c: torch.Tensor) -> torch.Tensor:
@@ -92,7 +93,7 @@ class CulturalAttention(AttentionBase):
         else:
             cultural_bias = lam * (q @ c_proj)  # [B, H, Lq, 1], the seed's literal formula
 
-        if self.pattern_hooked:
+        if self.explicit:
             scores = q @ k.transpose(-1, -2) * self.scale
             z = self.attend(scores if cultural_bias is None else scores + cultural_bias, v, bias, row_valid)
         else:
@@ -108,3 +109,29 @@ class CulturalAttention(AttentionBase):
             if row_valid is not None:
                 z = z * row_valid.to(z.dtype)
         return self.output(z, head_mask)
+
+
+#: A gate bias at which sigmoid rounds to exactly 1 in fp32 and fp16 (the gate fully open).
+GATE_OPEN = 30.0
+
+
+def _neutral(attn: CulturalAttention) -> None:
+    """Bias scale 0 and the gate open: exactly the plain attention it replaces."""
+    with torch.no_grad():
+        if attn.config.lambda_mode == "scalar":
+            attn.lam.zero_()
+        else:
+            attn.lam_mlp[2].weight.zero_()
+            attn.lam_mlp[2].bias.zero_()
+        if attn.config.fusion == "gated":
+            attn.W_g.zero_()
+            attn.b_g.fill_(GATE_OPEN)
+
+
+SPEC = register(VariantSpec(
+    name="cultural",
+    summary="cultural-context key bias and gated fusion",
+    config=CulturalConfig,
+    attention=CulturalAttention,
+    placement=Placement(neutral=_neutral),
+))

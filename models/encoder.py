@@ -2,14 +2,14 @@
 
     h = x + Attn(LN1(x), mask, **context)
     y = h + FFN(LN2(h))
-    y = MetaphorFusion(x, y, metaphor)          # metaphor layers only (after the FFN)
+    y = Fusion(x, y, **context)                 # variants with a fusion only (after the FFN)
     out = LN_f(y_last)                          # final_norm=True
 
-Each layer's variant is chosen by config (``layer_variants``); every layer of a
-variant shares that variant's options. Hook points per layer ``i``:
-``blocks.{i}.hook_resid_pre``, ``blocks.{i}.hook_attn_out``, ``blocks.{i}.hook_mlp_out``,
-``blocks.{i}.hook_resid_post`` ``[B, L, d_model]`` and the attention's hooks under
-``blocks.{i}.attn.`` (see :class:`attnx.models.common.AttentionBase`).
+Each layer's variant is chosen by config (``layer_variants``); every layer of a variant shares
+that variant's options, and everything variant-specific comes from its ``VariantSpec``.
+Hook points per layer ``i``: ``blocks.{i}.hook_resid_pre``, ``blocks.{i}.hook_attn_out``,
+``blocks.{i}.hook_mlp_out``, ``blocks.{i}.hook_resid_post`` ``[B, L, d_model]`` and the
+attention's under ``blocks.{i}.attn.`` (:class:`attnx.models.attention.AttentionBase`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,27 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from attnx.models.common import FeedForward, HookPoint, InputSpec, check_choice, check_inputs
-from attnx.models.metaphor import MetaphorFusion
+from attnx.contract import Role
+from attnx.interp.hooks import HookPoint, Hooked, name_hook_points
+from attnx.models.signature import InputSpec, OutputSpec, check_choice, check_inputs
+from attnx.models.spec import ExtraOutput, VariantSpec
+
+
+class FeedForward(nn.Module):
+    """Linear -> GELU -> Linear, ``mult`` x wide."""
+
+    def __init__(self, d_model: int, mult: int = 4, activation: str = "gelu"):
+        super().__init__()
+        check_choice("activation", activation, ("gelu", "gelu_tanh"))
+        self.fc_in = nn.Linear(d_model, mult * d_model)
+        self.fc_out = nn.Linear(mult * d_model, d_model)
+        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))
 
 
 @dataclass
@@ -43,13 +60,18 @@ class EncoderConfig:
                 raise ValueError(f"layer_variants has {len(self.layer_variants)} entries for {self.n_layers} layers")
 
 
-class Block(nn.Module):
-    """One pre-LN transformer block around a variant's attention."""
+def _hidden_and_mask(d_model: int) -> list[InputSpec]:
+    return [InputSpec("hidden_states", ("batch", "seq", d_model), "float", Role.HIDDEN_STATES),
+            InputSpec("attention_mask", ("batch", "seq"), "mask", Role.ATTENTION_MASK)]
 
-    def __init__(self, variant: str, attn: nn.Module, enc: EncoderConfig, fusion: MetaphorFusion | None = None):
+
+class Block(nn.Module):
+    """One pre-LN transformer block around a variant's attention (and its fusion, if any)."""
+
+    def __init__(self, spec: VariantSpec, attn: nn.Module, enc: EncoderConfig, fusion: nn.Module | None = None):
         super().__init__()
         d = attn.config.d_model
-        self.variant = variant
+        self.spec = spec
         self.ln1 = nn.LayerNorm(d, eps=enc.ln_eps)
         self.attn = attn
         self.ln2 = nn.LayerNorm(d, eps=enc.ln_eps)
@@ -59,30 +81,31 @@ class Block(nn.Module):
         self.hook_mlp_out, self.hook_resid_post = HookPoint(), HookPoint()
 
     @property
+    def variant(self) -> str:
+        return self.spec.name
+
+    @property
     def config(self):
         return self.attn.config
 
-    def context_specs(self) -> list[InputSpec]:
-        specs = self.attn.context_specs()
-        return specs + (self.fusion.context_specs() if self.fusion is not None else [])
+    def context_inputs(self) -> list[InputSpec]:
+        return self.spec.context_inputs(self.config)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 head_mask: torch.Tensor | None = None, **context) -> torch.Tensor:
-        if not torch.compiler.is_exporting():  # a bare block (build_variant("metaphor")) meets ln1 first
-            d = self.config.d_model
-            check_inputs([InputSpec("x", ("batch", "seq", d), "float", "hidden_states"),
-                          InputSpec("attention_mask", ("batch", "seq"), "mask", "attention_mask")],
-                         {"x": x, "attention_mask": attention_mask}, optional=("attention_mask",))
+        if not torch.compiler.is_exporting():  # a bare block (build_variant of a fused variant) meets ln1 first
+            x_spec, mask_spec = _hidden_and_mask(self.config.d_model)
+            check_inputs([dataclasses.replace(x_spec, name="x"), mask_spec], {"x": x, "attention_mask": attention_mask}, optional=("attention_mask",))
         x = self.hook_resid_pre(x)
         attn_ctx = {k: context[k] for k in self.attn.context_names}
         h = x + self.hook_attn_out(self.attn(self.ln1(x), attention_mask, head_mask, **attn_ctx))
         y = h + self.hook_mlp_out(self.mlp(self.ln2(h)))
         if self.fusion is not None:
-            y = self.fusion(x, y, context["metaphor"])
+            y = self.fusion(x, y, **{k: context[k] for k in self.fusion.context_names})
         return self.hook_resid_post(y)
 
 
-class Encoder(nn.Module):
+class Encoder(Hooked, nn.Module):
     """A stack of blocks; ``forward(hidden_states, attention_mask, **context)``."""
 
     def __init__(self, variant: str, blocks: list[Block], enc: EncoderConfig, variant_configs: dict):
@@ -94,70 +117,86 @@ class Encoder(nn.Module):
         d = blocks[0].config.d_model
         self.d_model, self.n_heads = d, blocks[0].config.n_heads
         self.ln_f = nn.LayerNorm(d, eps=enc.ln_eps) if enc.final_norm else None
-        for name, module in self.named_modules():
-            if isinstance(module, HookPoint):
-                module.name = name
+        name_hook_points(self)
 
     # ---- description -------------------------------------------------------------------------
     def context_inputs(self) -> list[InputSpec]:
         seen: dict[str, InputSpec] = {}
         for block in self.blocks:
-            for spec in block.context_specs():
+            for spec in block.context_inputs():
                 if spec.name in seen and seen[spec.name] != spec:
                     raise ValueError(f"layers disagree on the context input {spec.name}: {seen[spec.name]} vs {spec}")
                 seen.setdefault(spec.name, spec)
         return list(seen.values())
 
     def input_specs(self) -> list[InputSpec]:
-        return [InputSpec("hidden_states", ("batch", "seq", self.d_model), "float", "hidden_states"),
-                InputSpec("attention_mask", ("batch", "seq"), "mask", "attention_mask")] + self.context_inputs()
+        return _hidden_and_mask(self.d_model) + self.context_inputs()
+
+    def extra_outputs(self) -> list[tuple[ExtraOutput, int]]:
+        """Each extra output of the variants used, with the index of the last layer that gives it."""
+        found: dict[str, tuple[ExtraOutput, int]] = {}
+        for i, block in enumerate(self.blocks):
+            for out in block.spec.extra_outputs:
+                found[out.name] = (out, i)
+        return list(found.values())
+
+    def output_specs(self) -> list[OutputSpec]:
+        main = OutputSpec("output", ("batch", "seq", self.d_model), "float", Role.OUTPUT, "the last block's output")
+        return [main] + [OutputSpec(out.name, out.shape, out.dtype, Role.AUX, out.doc) for out, _ in self.extra_outputs()]
+
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.output_specs()]
 
     def config_dict(self) -> dict:
-        """Everything needed to rebuild this encoder with :func:`attnx.models.registry.encoder_from_config`."""
+        """Everything needed to rebuild this encoder with :func:`attnx.models.build.encoder_from_config`."""
         return {"variant": self.variant, "encoder": dataclasses.asdict(self.encoder_config),
                 "attention": {n: dataclasses.asdict(c) for n, c in self.variant_configs.items()}}
 
-    @property
-    def has_maw(self) -> bool:
-        return any(b.variant == "maw" for b in self.blocks)
-
     def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the layers' auxiliary (GRPO) losses from the last training forward."""
+        """Sum of the layers' auxiliary (e.g. GRPO) losses from the last training forward."""
         losses = [b.attn.aux_loss for b in self.blocks if getattr(b.attn, "aux_loss", None) is not None]
         return torch.stack(losses).sum() if losses else None
 
-    # ---- interpretability (see attnx.models.hooks) ------------------------------------------
-    def run_with_cache(self, *args, **kwargs):
-        from attnx.models.hooks import run_with_cache
-
-        return run_with_cache(self, *args, **kwargs)
-
-    def run_with_hooks(self, *args, fwd_hooks=(), **kwargs):
-        from attnx.models.hooks import run_with_hooks
-
-        return run_with_hooks(self, *args, fwd_hooks=fwd_hooks, **kwargs)
-
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                head_mask: torch.Tensor | None = None, return_depth: bool = False, **context):
+                head_mask: torch.Tensor | None = None, return_extras: bool = False, **context):
+        """Output ``[B, L, d_model]``; with ``return_extras`` also ``{name: tensor}`` of the variants'
+        extra outputs (e.g. the depth a layer chose)."""
         if not torch.compiler.is_exporting():
             check_inputs(self.input_specs(), {"hidden_states": hidden_states, "attention_mask": attention_mask,
                                               **context}, optional=("attention_mask",))
-        if head_mask is not None:
-            n, h = len(self.blocks), self.n_heads
-            given = list(head_mask.shape)
-            if head_mask.dim() == 1:
-                head_mask = head_mask.expand(n, -1)
-            if head_mask.shape != (n, h):
-                raise ValueError(f"head_mask: expected shape [n_layers={n}, H={h}] or [H={h}], got {given}")
+        head_mask = expand_head_mask(head_mask, len(self.blocks), self.n_heads)
         x = hidden_states
         for i, block in enumerate(self.blocks):
             x = block(x, attention_mask, None if head_mask is None else head_mask[i], **context)
         if self.ln_f is not None:
             x = self.ln_f(x)
-        if not return_depth:
+        if not return_extras:
             return x
-        maw_blocks = [b for b in self.blocks if b.variant == "maw"]
-        if not maw_blocks:
-            raise ValueError("return_depth=True needs a maw layer")
-        return x, maw_blocks[-1].attn.last_depth
+        return x, read_extras(self.blocks, self.extra_outputs())
+
+
+    def forward_named(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The export/serving signature: inputs and outputs by name (:meth:`input_specs`, :meth:`output_specs`)."""
+        context = {k: v for k, v in inputs.items() if k not in ("hidden_states", "attention_mask")}
+        extras = bool(self.extra_outputs())
+        result = self(inputs["hidden_states"], inputs.get("attention_mask"), return_extras=extras, **context)
+        out, found = (result if extras else (result, {}))
+        return {"output": out, **found}
+
+
+def expand_head_mask(head_mask: torch.Tensor | None, n_layers: int, n_heads: int) -> torch.Tensor | None:
+    """``[H]`` or ``[n_layers, H]`` -> ``[n_layers, H]`` (one clear error otherwise)."""
+    if head_mask is None:
+        return None
+    given = list(head_mask.shape)
+    if head_mask.dim() == 1:
+        head_mask = head_mask.expand(n_layers, -1)
+    if tuple(head_mask.shape) != (n_layers, n_heads):
+        raise ValueError(f"head_mask: expected shape [n_layers={n_layers}, H={n_heads}] or [H={n_heads}], got {given}")
+    return head_mask
+
+
+def read_extras(blocks, extras: list[tuple[ExtraOutput, int]]) -> dict[str, torch.Tensor]:
+    """The extra outputs after a forward, read from the layers that give them."""
+    return {spec.name: spec.read(blocks[index].attn) for spec, index in extras}

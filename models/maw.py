@@ -9,20 +9,25 @@ Depth ``d`` (``depth_dim``). Per head, learned depth projections ``U_q, U_k [H, 
       = one_hot(argmax(policy_logits))                (inference)
     A = sum_t w_t A5[..., t];  out = softmax(A + mask) V W_O
 
-``A5`` is never built: ``sum_t w_t A5[..., t] = s (q' * w) k'^T`` in training, and
-at inference only the selected slice is read (``attnx::maw_depth_select``), which
-is exactly attention computed from that slice alone. :func:`maw_logits_5d` builds
-the literal 5-D tensor for tests and benchmarks.
+``A5`` is never built: ``sum_t w_t A5[..., t] = s (q' * w) k'^T`` in training. At inference the
+selected depth's logits are rank one, ``A_ij = q'_i[t] k'_j[t] s``: attention with a query/key
+head size of 1 and the value head size unchanged. ``attnx::maw_depth_gather`` selects the depth
+columns ``q'[..., t]``, ``k'[..., t]`` and a fused attention does the rest, so no
+``[B, H, L, L]`` tensor is built (ONNX: the custom op ``MawDepthGather`` + the ``Attention`` op;
+TensorRT: the plugin + the builder's attention). :func:`maw_logits_5d` builds the literal 5-D
+tensor for tests and benchmarks.
 
-GRPO (training only; never changes the forward output): for each example draw a
-group of ``G`` depths from ``Categorical(softmax(policy_logits))``; the reward of
-a depth is the negative entropy (or negative variance) of its masked attention
-rows, averaged over heads and valid query rows, computed without gradient;
-``advantage = (r - mean_group(r)) / (std_group(r) + eps)``;
+GRPO (training only; never changes the forward output): for each example draw a group of ``G``
+depths from ``Categorical(softmax(policy_logits))``; the reward of a depth is the negative
+entropy (or negative variance) of its masked attention rows, averaged over heads and valid query
+rows, computed without gradient; ``advantage = (r - mean_group(r)) / (std_group(r) + eps)``;
 ``policy_loss = -mean(advantage * log pi(t))``; ``value_loss = MSE(value(x), mean_group(r))``.
-``aux_loss = policy_loss + value_coef * value_loss`` is exposed on the module after
-a training forward (the encoder sums them); an EMA (0.95) reward baseline is kept
-for logging.
+``aux_loss = policy_loss + value_coef * value_loss`` is exposed on the module after a training
+forward (the encoder sums them); an EMA (0.95) reward baseline is kept for logging.
+
+Placement in a pretrained model: a MAW layer cannot compute a full-rank attention, so no
+parameter values make it equal the attention it would replace. Its natural form is the seed's:
+MAW layers appended after the encoder as residual branches, output projection starting at zero.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from attnx.models.common import AttentionBase, AttentionConfig, check_choice, masked_mean, masked_softmax
-from attnx.models.custom_ops import maw_depth_select
+from attnx.models.attention import AttentionBase, AttentionConfig, current_path, masked_mean, masked_softmax
+from attnx.models.signature import check_choice
+from attnx.models.spec import CustomOp, ExtraOutput, Placement, VariantSpec, register
 
 
 @dataclass
@@ -51,16 +57,16 @@ class MawConfig(AttentionConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("reward", self.reward, ("neg_entropy", "neg_variance"))
-        if self.depth_dim < 1 or self.group_size < 2 or self.tau <= 0:
-            raise ValueError("need depth_dim >= 1, group_size >= 2 and tau > 0")
+        if self.depth_dim < 1 or self.group_size < 2 or not 0 < self.tau < math.inf:
+            raise ValueError("need depth_dim >= 1, group_size >= 2 and 0 < tau < inf")
 
 
-def maw_logits_5d(q_depth: torch.Tensor, k_depth: torch.Tensor, scale: float) -> torch.Tensor:
+def maw_logits_5d(q_depth: Tensor, k_depth: Tensor, scale: float) -> Tensor:
     """The literal 5-D logits ``[B, H, Lq, Lk, d]`` (for tests and benchmarks only)."""
     return q_depth[:, :, :, None, :] * k_depth[:, :, None, :, :] * scale
 
 
-def attention_rewards(scores: torch.Tensor, bias, row_valid, kind: str) -> torch.Tensor:
+def attention_rewards(scores: Tensor, bias, row_valid, kind: str) -> Tensor:
     """Reward per example ``[B]`` of attention logits ``[B, H, Lq, Lk]``: -entropy or -variance
     of the masked rows, averaged over heads and the query rows that ``row_valid`` marks valid
     (pass it with padded query rows cleared, as ``MawAttention`` does)."""
@@ -81,6 +87,45 @@ def attention_rewards(scores: torch.Tensor, bias, row_valid, kind: str) -> torch
     return (per_row * rows).sum(dim=(1, 2)) / rows.sum(dim=(1, 2)).clamp_min(1.0)
 
 
+# --------------------------------------------------------------------------- the depth gather (torch op)
+
+@torch.library.custom_op("attnx::maw_depth_gather", mutates_args=())
+def maw_depth_gather(q_depth: Tensor, k_depth: Tensor, policy_logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The selected depth's columns ``q_sel [B, H, Lq, 1]``, ``k_sel [B, H, Lk, 1]`` and the depth
+    ``[B]`` (argmax of the policy logits, first on ties). Reads nothing but the chosen column."""
+    depth = policy_logits.argmax(dim=-1)  # [B]
+    idx = depth[:, None, None, None]
+    q_sel = q_depth.gather(-1, idx.expand(*q_depth.shape[:3], 1))
+    k_sel = k_depth.gather(-1, idx.expand(*k_depth.shape[:3], 1))
+    return q_sel, k_sel, depth
+
+
+@maw_depth_gather.register_fake
+def _(q_depth, k_depth, policy_logits):
+    b, h, lq, _ = q_depth.shape
+    return (q_depth.new_empty(b, h, lq, 1), k_depth.new_empty(b, h, k_depth.shape[2], 1),
+            policy_logits.new_empty(b, dtype=torch.int64))
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2])
+    ctx.q_shape, ctx.k_shape = inputs[0].shape, inputs[1].shape
+
+
+def _gather_backward(ctx, grad_q_sel, grad_k_sel, _grad_depth):
+    # The gradient goes to the selected column only; the argmax (policy logits) has none.
+    (depth,) = ctx.saved_tensors
+    idx = depth[:, None, None, None]
+    grad_q = grad_q_sel.new_zeros(ctx.q_shape).scatter(-1, idx.expand(*ctx.q_shape[:3], 1), grad_q_sel)
+    grad_k = grad_k_sel.new_zeros(ctx.k_shape).scatter(-1, idx.expand(*ctx.k_shape[:3], 1), grad_k_sel)
+    return grad_q, grad_k, None
+
+
+maw_depth_gather.register_autograd(_gather_backward, setup_context=_gather_setup)
+
+
+# --------------------------------------------------------------------------- the module
+
 class MawAttention(AttentionBase):
     def __init__(self, config: MawConfig):
         super().__init__(config)
@@ -90,18 +135,18 @@ class MawAttention(AttentionBase):
         self.policy = nn.Sequential(nn.Linear(dm, 2 * dm), nn.GELU(), nn.Linear(2 * dm, d))
         self.value = nn.Sequential(nn.Linear(dm, 2 * dm), nn.GELU(), nn.Linear(2 * dm, 1))
         self.register_buffer("reward_baseline", torch.zeros(()), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
-        self.last_depth: torch.Tensor | None = None
+        self.aux_loss: Tensor | None = None
+        self.last_depth: Tensor | None = None  # [B] depth chosen by the last forward
+        self.last_policy_logits: Tensor | None = None  # [B, d] (inference), for near-tie reports
 
-    def depth_projections(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def depth_projections(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q, k ``[B, H, L, Dh]`` -> q', k' ``[B, H, L, d]``."""
         return q @ self.U_q, k @ self.U_k  # U [H, Dh, d] broadcasts over the batch
 
-    def policy_logits(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def policy_logits(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         return self.policy(masked_mean(x, attention_mask))  # [B, d]
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                head_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None, head_mask: Tensor | None = None) -> Tensor:
         self.validate(x, attention_mask)
         b, l, _ = x.shape
         q, k, v = self.project(x)  # [B, H, L, Dh]
@@ -117,13 +162,24 @@ class MawAttention(AttentionBase):
             # Rewards average over real query tokens only (padded query rows carry no meaning).
             reward_rows = row_valid if attention_mask is None else row_valid & attention_mask.bool()[:, None, :, None]
             self.aux_loss = self.grpo_loss(logits_pi, pooled, q_depth, k_depth, bias, reward_rows)
+            return self.output(self.attend(scores, v, bias, row_valid), head_mask)
+
+        q_sel, k_sel, depth = maw_depth_gather(q_depth, k_depth, logits_pi)  # [B, H, L, 1], [B]
+        self.last_depth, self.aux_loss = depth, None  # read as the maw_depth output (in exported graphs too)
+        if not torch.compiler.is_exporting():
+            self.last_policy_logits = logits_pi.detach()
+        if self.explicit:
+            z = self.attend((q_sel * self.scale) @ k_sel.transpose(-1, -2), v, bias, row_valid)
+        elif torch.compiler.is_exporting() or current_path() == "plugin":
+            # One Attention node with a query/key head size of 1 (ONNX allows it to differ from V's).
+            z = self.attend_fused(q_sel, k_sel, v, bias, row_valid)
         else:
-            scores, self.last_depth = maw_depth_select(q_depth, k_depth, logits_pi, self.scale)
-            self.aux_loss = None
-        z = self.attend(scores, v, bias, row_valid)
+            # torch's CPU SDPA leaves its fused kernel for head size 1; zero columns keep the logits.
+            pad = (0, self.head_dim - 1)
+            z = self.attend_fused(F.pad(q_sel, pad), F.pad(k_sel, pad), v, bias, row_valid)
         return self.output(z, head_mask)
 
-    def grpo_loss(self, logits_pi, pooled, q_depth, k_depth, bias, row_valid) -> torch.Tensor:
+    def grpo_loss(self, logits_pi, pooled, q_depth, k_depth, bias, row_valid) -> Tensor:
         """Group-relative policy loss + value loss (see module docstring)."""
         cfg = self.config
         with torch.no_grad():
@@ -142,3 +198,135 @@ class MawAttention(AttentionBase):
             m = cfg.baseline_momentum
             self.reward_baseline.mul_(m).add_((1 - m) * rewards.mean())
         return policy_loss + cfg.value_coef * value_loss
+
+
+def _policy_margin(attn: MawAttention) -> Tensor:
+    """Top-1 minus top-2 policy logit per row of the last forward (how clear the depth choice was)."""
+    top = torch.topk(attn.last_policy_logits.float(), k=min(2, attn.last_policy_logits.shape[-1]), dim=-1).values
+    return top[..., 0] - top[..., 1] if top.shape[-1] > 1 else torch.full_like(top[..., 0], math.inf)
+
+
+# --------------------------------------------------------------------------- ONNX: custom ops
+
+def _gather_schema():
+    from onnx import TensorProto
+
+    from attnx.export import ops
+
+    def infer(ctx):
+        q, k = ops.rank4_inputs(ctx, 0, 1)
+        elem = ctx.get_input_type(0).tensor_type.elem_type
+        ctx.set_output_type(0, ops.tensor_type(elem, q[:3] + [1] if q else None))
+        ctx.set_output_type(1, ops.tensor_type(elem, k[:3] + [1] if k else None))
+        ctx.set_output_type(2, ops.tensor_type(TensorProto.INT64, q[:1] if q else None))
+
+    return ops.schema(
+        "MawDepthGather", "MAW inference: per example the argmax depth t of the policy logits and that depth's "
+        "query/key columns (attention over them is rank one: a fused attention with head size 1 does the rest).",
+        inputs=[("q_depth", "T", "[B, H, Lq, d] per-depth query scalars"),
+                ("k_depth", "T", "[B, H, Lk, d] per-depth key scalars"),
+                ("policy_logits", "T", "[B, d] policy logits over depths")],
+        outputs=[("q_sel", "T", "[B, H, Lq, 1] q_depth[..., t]"), ("k_sel", "T", "[B, H, Lk, 1] k_depth[..., t]"),
+                 ("depth", "tensor(int64)", "[B] selected depth (first maximum on ties)")],
+        infer=infer)
+
+
+def _gather_function(opset: int):
+    from onnx import TensorProto, helper
+
+    from attnx.export import ops
+
+    n = helper.make_node
+    ints = lambda name, v: n("Constant", [], [name], value_ints=v)  # noqa: E731
+    nodes = [
+        n("Cast", ["policy_logits"], ["p32"], to=TensorProto.FLOAT),
+        n("ArgMax", ["p32"], ["depth"], axis=1, keepdims=0),  # [B], first maximum on ties
+        ints("index_shape", [-1, 1, 1, 1]), n("Reshape", ["depth", "index_shape"], ["index"]),  # [B, 1, 1, 1]
+        ints("one", [1]),
+        n("Shape", ["q_depth"], ["q_bhl"], start=0, end=3), n("Concat", ["q_bhl", "one"], ["q_shape"], axis=0),
+        n("Expand", ["index", "q_shape"], ["q_index"]),
+        n("GatherElements", ["q_depth", "q_index"], ["q_sel"], axis=3),  # [B, H, Lq, 1]
+        n("Shape", ["k_depth"], ["k_bhl"], start=0, end=3), n("Concat", ["k_bhl", "one"], ["k_shape"], axis=0),
+        n("Expand", ["index", "k_shape"], ["k_index"]),
+        n("GatherElements", ["k_depth", "k_index"], ["k_sel"], axis=3),  # [B, H, Lk, 1]
+    ]
+    return ops.function("MawDepthGather", ["q_depth", "k_depth", "policy_logits"], ["q_sel", "k_sel", "depth"],
+                        nodes, opset)
+
+
+def _gather_plugin():
+    from attnx.contract import PLUGIN_ATTRIBUTES
+    from attnx.export import ops
+
+    attnx_ops = ops.opset()
+
+    def plugin(q_depth, k_depth, policy_logits):
+        return attnx_ops.MawDepthGather(q_depth, k_depth, policy_logits, **PLUGIN_ATTRIBUTES)
+
+    return plugin
+
+
+def _select_schema():
+    from onnx import TensorProto
+
+    from attnx.export import ops
+    from onnx.defs import OpSchema
+
+    def infer(ctx):
+        q, k = ops.rank4_inputs(ctx, 0, 1)
+        elem = ctx.get_input_type(0).tensor_type.elem_type
+        ctx.set_output_type(0, ops.tensor_type(elem, q[:3] + k[2:3] if q and k else None))
+        ctx.set_output_type(1, ops.tensor_type(TensorProto.INT64, q[:1] if q else None))
+
+    return ops.schema(
+        "MawDepthSelect", "MAW inference (attnx 0.1 files): argmax depth per example and that depth's attention "
+        "logits scale * q_depth[..., t] k_depth[..., t]^T.",
+        inputs=[("q_depth", "T", "[B, H, Lq, d]"), ("k_depth", "T", "[B, H, Lk, d]"),
+                ("policy_logits", "T", "[B, d]")],
+        outputs=[("logits", "T", "[B, H, Lq, Lk] selected-depth logits"), ("depth", "tensor(int64)", "[B]")],
+        infer=infer,
+        attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "logit scale, 1/sqrt(Dh)", required=True)])
+
+
+def _select_function(opset: int):
+    from onnx import TensorProto, helper
+
+    from attnx.export import ops
+
+    n = helper.make_node
+    nodes = [
+        n("Cast", ["q_depth"], ["q32"], to=TensorProto.FLOAT), n("Cast", ["k_depth"], ["k32"], to=TensorProto.FLOAT),
+        n("Cast", ["policy_logits"], ["p32"], to=TensorProto.FLOAT),
+        n("ArgMax", ["p32"], ["depth"], axis=1, keepdims=0),
+        n("Shape", ["p32"], ["n_depth"], start=1, end=2),
+        n("Constant", [], ["off_on"], value=helper.make_tensor("v", TensorProto.FLOAT, [2], [0.0, 1.0])),
+        n("OneHot", ["depth", "n_depth", "off_on"], ["one_hot"], axis=-1),  # [B, d]
+        n("Constant", [], ["bh_axes"], value_ints=[1, 2]), n("Unsqueeze", ["one_hot", "bh_axes"], ["w"]),
+        n("Mul", ["q32", "w"], ["q_sel"]), n("Transpose", ["k32"], ["k_t"], perm=[0, 1, 3, 2]),
+        n("MatMul", ["q_sel", "k_t"], ["raw"]),
+        ops.attribute_ref(n("Constant", [], ["scale"]), "value_float", "scale"),
+        n("Mul", ["raw", "scale"], ["logits32"]), n("CastLike", ["logits32", "q_depth"], ["logits"]),
+    ]
+    return ops.function("MawDepthSelect", ["q_depth", "k_depth", "policy_logits"], ["logits", "depth"], nodes,
+                        opset, attributes=["scale"])
+
+
+# --------------------------------------------------------------------------- the spec
+
+SPEC = register(VariantSpec(
+    name="maw",
+    summary="5-D multi-perspective attention, GRPO depth selection; at inference a fused attention over the "
+            "selected depth",
+    config=MawConfig,
+    attention=MawAttention,
+    extra_outputs=(ExtraOutput("maw_depth", ("batch",), "int64", read=lambda attn: attn.last_depth,
+                               doc="depth chosen by the last maw layer", margin=_policy_margin,
+                               tie_margin={"fp32": 1e-4, "fp16": 2e-2}),),
+    custom_ops=(
+        CustomOp("MawDepthGather", _gather_schema, _gather_function, torch_op=torch.ops.attnx.maw_depth_gather.default,
+                 plugin=_gather_plugin, doc="the selected depth's query/key columns"),
+        CustomOp("MawDepthSelect", _select_schema, _select_function,
+                 doc="the selected depth's logits (files exported by attnx 0.1; still built and served)"),
+    ),
+    placement=Placement(replace=True, exact=False, append=True, default="append"),
+))

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnx.models.common import AttentionConfig, InputSpec, check_choice, check_tensor
+from attnx.models.attention import AttentionConfig
+from attnx.models.signature import InputSpec, check_choice, check_tensor
+from attnx.models.mha import MultiHeadAttention
+from attnx.models.spec import Placement, VariantSpec, register
 
 GATE_BIAS_INIT = 4.0
 METAPHOR_INPUTS = ("sequence", "token", "type", "token_type")
@@ -46,8 +49,9 @@ def metaphor_spec(config: MetaphorConfig) -> InputSpec:
     mode = config.metaphor_input
     shape = {"sequence": ("batch", config.d_metaphor), "token": ("batch", "seq", config.d_metaphor),
              "type": ("batch",), "token_type": ("batch", "seq")}[mode]
-    dtype = "int64" if mode in ("type", "token_type") else "float"
-    return InputSpec("metaphor", shape, dtype, "context", f"metaphor input ({mode})")
+    ids = mode in ("type", "token_type")
+    return InputSpec("metaphor", shape, "int64" if ids else "float", "context", f"metaphor input ({mode})",
+                     range=(0, config.n_metaphor_types) if ids else None)
 
 
 class MetaphorFusion(nn.Module):
@@ -67,23 +71,22 @@ class MetaphorFusion(nn.Module):
         self.f_m = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d))
         self.post_norm = nn.LayerNorm(d) if config.post_norm else None
 
-    def context_specs(self) -> list[InputSpec]:
-        return [metaphor_spec(self.config)]
+    context_names = ("metaphor",)
+
+    @staticmethod
+    def context_inputs(config: MetaphorConfig) -> list[InputSpec]:
+        return [metaphor_spec(config)]
 
     def features(self, metaphor: torch.Tensor, length: int) -> torch.Tensor:
         """m' as ``[B, L, D]``."""
         if self.config.metaphor_input in ("type", "token_type"):
-            n = self.config.n_metaphor_types
-            if not torch.compiler.is_exporting() and metaphor.numel() and (metaphor.min() < 0 or metaphor.max() >= n):
-                raise ValueError(f"metaphor: type ids must be in [0, {n}), got range "
-                                 f"[{int(metaphor.min())}, {int(metaphor.max())}]")
             metaphor = self.type_embedding(metaphor)
         m_proj = self.W_M(metaphor)
         if m_proj.dim() == 2:  # per sequence -> every token
             m_proj = m_proj[:, None, :].expand(-1, length, -1)
         return m_proj
 
-    def forward(self, x: torch.Tensor, y_base: torch.Tensor, metaphor: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y_base: torch.Tensor, *, metaphor: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_exporting():
             check_tensor(metaphor_spec(self.config), metaphor, {"batch": x.shape[0], "seq": x.shape[1]})
         m_proj = self.features(metaphor, x.shape[1])  # [B, L, D]
@@ -91,3 +94,28 @@ class MetaphorFusion(nn.Module):
         g = torch.sigmoid(self.W_g(torch.cat([y_base, r], dim=-1)))  # [B, L, D]
         y = g * y_base + (1.0 - g) * self.f_m(r)
         return self.post_norm(y) if self.post_norm is not None else y
+
+
+#: A gate bias at which sigmoid rounds to exactly 1 in fp32 and fp16 (the gate closed onto y_base).
+GATE_CLOSED = 30.0
+
+
+def _neutral(attn: MultiHeadAttention) -> None:
+    """Nothing to do in the attention: the fusion's gate is closed by ``neutral_fusion``."""
+
+
+def neutral_fusion(fusion: MetaphorFusion) -> None:
+    """Gate closed onto the base path: ``y = y_base`` exactly (without ``post_norm``)."""
+    with torch.no_grad():
+        fusion.W_g.weight.zero_()
+        fusion.W_g.bias.fill_(GATE_CLOSED)
+
+
+SPEC = register(VariantSpec(
+    name="metaphor",
+    summary="metaphor-aware gated fusion after each block's FFN",
+    config=MetaphorConfig,
+    attention=MultiHeadAttention,
+    fusion=MetaphorFusion,
+    placement=Placement(neutral=_neutral, neutral_fusion=neutral_fusion),
+))

@@ -6,8 +6,8 @@
 
 With no hook observing the scores or the pattern, the fused
 ``scaled_dot_product_attention`` path runs (one ONNX ``Attention`` node on
-export); with one, the explicit path runs and feeds ``hook_attn_scores`` and
-``hook_pattern``. Both compute the same function.
+export); with one (or on the reference path), the explicit path runs and feeds
+``hook_attn_scores`` and ``hook_pattern``. Both compute the same function.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnx.models.common import AttentionBase, AttentionConfig
+from attnx.models.attention import AttentionBase, AttentionConfig
+from attnx.models.spec import Placement, VariantSpec, register
 
 
 @dataclass
@@ -34,8 +35,17 @@ class MultiHeadAttention(AttentionBase):
         b, l, _ = x.shape
         q, k, v = self.project(x)  # [B, H, L, Dh]
         bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
-        if self.pattern_hooked:
+        if self.explicit:
             z = self.attend(q @ k.transpose(-1, -2) * self.scale, v, bias, row_valid)
         else:
             z = self.attend_fused(q, k, v, bias, row_valid)
         return self.output(z, head_mask)
+
+
+SPEC = register(VariantSpec(
+    name="mha",
+    summary="multi-head attention with hooks, head interventions and activation patching",
+    config=MhaConfig,
+    attention=MultiHeadAttention,
+    placement=Placement(neutral=lambda attn: None),  # nothing new: it is the plain attention
+))

@@ -10,6 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from attnx.models import VARIANTS
+
 ATTNX = [sys.executable, "-m", "attnx.cli.main"]
 
 
@@ -25,7 +27,7 @@ def test_export_defaults_writes_under_workdir(tmp_path):
     assert (tmp_path / "attnx-out" / "maw.safetensors").is_file()
     info = json.loads(attnx("inspect", str(path), "--json").stdout)
     assert info["attnx"] and info["opsets"] == {"ai.onnx": 23, "attnx": 1}
-    assert [c["op"] for c in info["custom_ops"]] == ["MawDepthSelect"] and info["custom_ops"][0]["function_body"]
+    assert [c["op"] for c in info["custom_ops"]] == ["MawDepthGather"] and info["custom_ops"][0]["function_body"]
     assert [o["name"] for o in info["outputs"]] == ["output", "maw_depth"]
     assert info["metadata"]["attnx.variant"] == "maw"
     assert info["parameters"] > 10_000
@@ -100,7 +102,7 @@ def test_inspect_any_onnx_file(tmp_path):
 def test_variants_lists_options_and_context():
     proc = attnx("variants", "--json")
     info = {v["name"]: v for v in json.loads(proc.stdout)}
-    assert list(info) == ["mha", "cultural", "metaphor", "maw", "smal"]
+    assert list(info) == list(VARIANTS)
     assert info["maw"]["options"]["depth_dim"] == 5 and info["maw"]["outputs"] == ["output", "maw_depth"]
     assert info["smal"]["context"][1] == {"name": "trace", "shape": ["batch", 64, 64], "dtype": "float",
                                            "doc": "trace tensor T"}

@@ -9,11 +9,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from attnx.export import export_variant, read_metadata
+from attnx.contract import DOMAIN, ModelInfo
+from attnx.export import export_variant
 from attnx.export.exporter import example_inputs
-from attnx.export.ops import DOMAIN
+from attnx.models import VARIANTS, get_spec, reference
 
-VARIANTS = ["mha", "cultural", "metaphor", "maw", "smal"]
+#: (variant, op) for every custom op a variant's plugin lowering emits, from the registry.
+CUSTOM_OPS = [(v, op.name) for v in VARIANTS for op in get_spec(v).custom_ops if op.torch_op is not None]
 SHAPES = [(2, 8), (1, 5), (3, 13)]  # (2, 8) is the export example; the others are not
 # fp16 tolerance, measured: max abs error on unit-scale inputs is ~2e-3..4e-3 for these configs.
 FP16_ATOL = 2e-2
@@ -27,9 +29,9 @@ def session(path) -> ort.InferenceSession:
 
 def run_both(result, batch, seq, seed=1, fp16=False, feeds=None):
     feeds = feeds or example_inputs(result.model, batch, seq, seed=seed)
-    with torch.no_grad():
-        ref = result.model(**feeds, return_depth=result.model.has_maw)
-    ref = [r.numpy() for r in (ref if isinstance(ref, tuple) else (ref,))]
+    with torch.no_grad(), reference():
+        named = result.model.forward_named(feeds)
+    ref = [named[n].numpy() for n in result.info.output_names]
     np_feeds = {k: (v.numpy().astype(np.float16) if fp16 and v.is_floating_point() else v.numpy())
                 for k, v in feeds.items()}
     got = session(result.path).run(None, np_feeds)
@@ -49,8 +51,9 @@ def test_ort_matches_reference_fp32(exported, variant, lowering):
         assert feeds["attention_mask"][-1].sum() < seq  # padding is exercised
         assert got[0].shape == (batch, seq, 32)
         assert max_err(ref[0], got[0]) <= 1e-4, (variant, lowering, batch, seq)
-        if variant == "maw":
-            np.testing.assert_array_equal(ref[1], got[1])
+        for i, extra in enumerate(get_spec(variant).extra_outputs, start=1):
+            if extra.exact:
+                np.testing.assert_array_equal(ref[i], got[i])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -99,7 +102,7 @@ def graph_ops(path) -> list[str]:
     return sorted((f"{n.domain}::" if n.domain else "") + n.op_type for n in model.graph.node)
 
 
-@pytest.mark.parametrize("variant,op", [("maw", "MawDepthSelect"), ("smal", "TtaDistance")])
+@pytest.mark.parametrize("variant,op", CUSTOM_OPS)
 def test_plugin_lowering_has_custom_nodes_with_bodies(exported, variant, op):
     model = onnx.load(str(exported(variant).path))
     nodes = [n for n in model.graph.node if n.domain == DOMAIN]
@@ -107,8 +110,6 @@ def test_plugin_lowering_has_custom_nodes_with_bodies(exported, variant, op):
     for n in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["plugin_version"] == b"1" and attrs["plugin_namespace"] == b"attnx"
-        if op == "MawDepthSelect":
-            assert attrs["scale"] == pytest.approx(1 / np.sqrt(8))
     assert {(f.domain, f.name) for f in model.functions} == {(DOMAIN, op)}
     assert any(o.domain == DOMAIN and o.version == 1 for o in model.opset_import)
     onnx.checker.check_model(model, full_check=True)
@@ -169,8 +170,9 @@ def test_cultural_modes(exported, overrides):
 @pytest.mark.parametrize("mode", ["sequence", "token", "type", "token_type"])
 def test_metaphor_input_modes(exported, mode):
     result = exported("metaphor", metaphor_input=mode, post_norm=mode == "token")
-    spec = next(i for i in read_metadata(result.path).inputs if i["name"] == "metaphor")
-    assert spec["dtype"] == ("int64" if "type" in mode else "float32")
+    spec = ModelInfo.read(result.path).input("metaphor")
+    assert spec.dtype == ("int64" if "type" in mode else "float32")
+    assert spec.range == ((0, 16) if "type" in mode else None)  # ids are range-checked by serving too
     for batch, seq in SHAPES:
         ref, got, _ = run_both(result, batch, seq)
         assert max_err(ref[0], got[0]) <= 1e-4
@@ -187,16 +189,17 @@ def test_smal_modes(exported, overrides):
 
 def test_metadata_and_dynamic_dims(exported):
     result = exported("smal")
-    info = read_metadata(result.path)
+    info = ModelInfo.read(result.path)
     assert info.variant == "smal" and info.lowering == "plugin" and info.precision == "fp32"
     assert info.config["attention"]["smal"]["d_model"] == 32
     assert info.profiles == {"batch": [1, 8, 32], "seq": [1, 128, 512]}
-    assert [(i["name"], i["role"], i["shape"]) for i in info.inputs] == [
+    assert [(i.name, i.role, list(i.shape)) for i in info.inputs] == [
         ("hidden_states", "hidden_states", ["batch", "seq", 32]),
         ("attention_mask", "attention_mask", ["batch", "seq"]),
         ("self_state", "context", ["batch", 32]),
         ("trace", "context", ["batch", 8, 8]),
     ]
+    assert info.schema == 2
     assert info.weights == result.path.with_suffix(".safetensors").name
     model = onnx.load(str(result.path))
     out = model.graph.output[0].type.tensor_type.shape.dim
@@ -250,6 +253,7 @@ def test_opset_range_is_checked(tmp_path):
 def test_export_leaves_the_model_unchanged(tmp_path):
     from attnx.export import export_encoder
     from attnx.models import build_encoder
+    from attnx.models.attention import current_path
 
     model = build_encoder("smal", d_model=32, n_heads=4, n_layers=2)
     feeds = example_inputs(model, 2, 6)
@@ -257,6 +261,6 @@ def test_export_leaves_the_model_unchanged(tmp_path):
         before = model(**feeds)
     for lowering in ("rewrite", "plugin"):
         export_encoder(model, tmp_path / f"{lowering}.onnx", lowering=lowering, save_weights=False)
-        assert [b.attn.config.use_rewrite for b in model.blocks] == [False, False]  # the reference path again
+        assert current_path() == "fast"  # the exporter's attention path is undone
         with torch.no_grad():
             assert torch.equal(model(**feeds), before)

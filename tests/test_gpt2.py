@@ -1,4 +1,4 @@
-"""GPT-2 checkpoints on attnx blocks (attnx.models.gpt2) against transformers' GPT2LMHeadModel."""
+"""GPT-2 checkpoints on attnx blocks (attnx.pretrained.gpt2) against transformers' GPT2LMHeadModel."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")  # a guard only: installed wi
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from attnx.models.encoder import Encoder  # noqa: E402
-from attnx.models.gpt2 import GPT2LM, load_gpt2  # noqa: E402
+from attnx.pretrained.gpt2 import GPT2LM, load_gpt2  # noqa: E402
 
 VOCAB, N_POS = 100, 64
 transformers.logging.set_verbosity_error()

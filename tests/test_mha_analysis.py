@@ -1,4 +1,4 @@
-"""Head analysis (attnx.models.analysis): planted heads, entropy, masking, a loop reference."""
+"""Head analysis (attnx.interp.analysis): planted heads, entropy, masking, a loop reference."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from attnx.models import VARIANTS, build_encoder
-from attnx.models.analysis import PATTERNS, analyze_cache, analyze_heads, pattern_stats
-from attnx.models.hooks import run_with_cache
+from attnx.interp.analysis import PATTERNS, analyze_cache, analyze_heads, pattern_stats
+from attnx.interp.hooks import run_with_cache
 
 D, H, L = 32, 4, 8
 
@@ -281,21 +281,23 @@ def test_analyze_cache_accepts_a_full_cache_and_reports_errors():
 
 
 def test_wrapped_encoder_gpt2lm_and_prefixed_cache_keys():
-    # GPT2LM wraps the encoder: analyze_heads takes its token ids, and a cache from
-    # hooks.run_with_cache (keys "encoder.blocks.{i}...") is understood as well.
-    from attnx.models.gpt2 import GPT2LM
-    from attnx.models.analysis import pattern_keys
+    # GPT2LM wraps the encoder: analyze_heads takes its token ids, and every way of caching gives
+    # the one naming scheme (blocks.{i}...); a cache with prefixed keys is understood as well.
+    from attnx.pretrained.gpt2 import GPT2LM
+    from attnx.interp.analysis import pattern_keys
 
     torch.manual_seed(0)
     lm = GPT2LM(_encoder(is_causal=True), vocab_size=50, n_positions=16).eval()
     ids = torch.randint(0, 50, (2, L))
     direct = analyze_heads(lm, ids)
     _, cache = run_with_cache(lm, ids)
-    assert pattern_keys(cache) == {0: "encoder.blocks.0.attn.hook_pattern", 1: "encoder.blocks.1.attn.hook_pattern"}
+    assert pattern_keys(cache) == {0: "blocks.0.attn.hook_pattern", 1: "blocks.1.attn.hook_pattern"}
     via_cache = analyze_cache(cache, is_causal=True)
     _, own = lm.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_pattern"))
     assert sorted(own) == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
+    prefixed = {f"encoder.{k}": v for k, v in own.items()}
     assert [b.to_dict() for b in direct] == [b.to_dict() for b in via_cache] == \
-        [b.to_dict() for b in analyze_cache(own, is_causal=True)]
+        [b.to_dict() for b in analyze_cache(own, is_causal=True)] == \
+        [b.to_dict() for b in analyze_cache(prefixed, is_causal=True)]
     with pytest.raises(ValueError, match="two patterns"):
-        pattern_keys({**cache, **own})
+        pattern_keys({**prefixed, **own})

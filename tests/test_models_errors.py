@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, make_context, specs_of  # noqa: E402
 
 from attnx.models import VARIANTS, build_encoder, build_variant, encoder_from_config, make_config  # noqa: E402
-from attnx.models.hooks import run_with_hooks  # noqa: E402
+from attnx.interp.hooks import run_with_hooks  # noqa: E402
 
 B, L = 2, 5
 OPTIONS = {
@@ -95,9 +95,9 @@ CTX_CASES = [
     ("metaphor", dict(metaphor_input="token_type"), "metaphor", torch.randint(0, 3, (B, L + 2)),
      ["[batch=2, seq=5]", "[2, 7]"]),
     ("metaphor", dict(metaphor_input="token_type", n_metaphor_types=4), "metaphor",
-     torch.full((B, L), 4, dtype=torch.int64), ["type ids", "[0, 4)", "[4, 4]"]),
+     torch.full((B, L), 4, dtype=torch.int64), ["ids must be in", "[0, 4)", "[4, 4]"]),
     ("metaphor", dict(metaphor_input="type", n_metaphor_types=4), "metaphor",
-     torch.tensor([0, -1]), ["type ids", "[0, 4)", "[-1, 0]"]),
+     torch.tensor([0, -1]), ["ids must be in", "[0, 4)", "[-1, 0]"]),
     ("smal", dict(d_self=10), "self_state", torch.randn(B, 11), ["[batch=2, 10]", "[2, 11]"]),
     ("smal", dict(d_self=10), "self_state", torch.randn(B, 10).double().long(), ["dtype", "int64"]),
     ("smal", dict(d_self=10), "trace", torch.randn(B, HEAD_DIM, HEAD_DIM + 1),
@@ -196,10 +196,11 @@ def test_hook_returning_wrong_shape_is_an_error():
     assert not any(p.active for p in enc.modules() if hasattr(p, "active"))
 
 
-def test_return_depth_needs_maw():
+def test_extras_of_a_model_without_extra_outputs_are_empty():
     enc = build_encoder("mha", n_layers=1, **SMALL)
     x, mask, _ = good_inputs(enc)
-    raises(lambda: enc(x, mask, return_depth=True), "return_depth", "maw")
+    out, extras = enc(x, mask, return_extras=True)
+    assert extras == {} and out.shape == x.shape
 
 
 def test_config_roundtrip_rejects_nothing_valid():

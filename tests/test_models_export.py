@@ -13,7 +13,7 @@ from torch.export import Dim
 sys.path.insert(0, str(Path(__file__).parent))
 from test_models_support import D_MODEL, SMALL, gen, make_context, randomize_init, right_pad_mask  # noqa: E402
 
-from attnx.models import build_encoder  # noqa: E402
+from attnx.models import attention_path, build_encoder  # noqa: E402
 
 EXPORT_CASES = [
     ("mha", {}),
@@ -25,7 +25,7 @@ EXPORT_CASES = [
                                       "n_metaphor_types": 5}),
     ("maw", {"depth_dim": 4}),
     ("smal-shared-ref", {"d_self": 10}),
-    ("smal-perhead-tta-rewrite", {"d_self": 10, "per_head_trace": True, "mode": "tta", "use_rewrite": True}),
+    ("smal-perhead-tta-rewrite", {"d_self": 10, "per_head_trace": True, "mode": "tta"}),
 ]
 
 
@@ -44,6 +44,11 @@ class Positional(torch.nn.Module):
 @pytest.mark.parametrize("case", EXPORT_CASES, ids=[c[0] for c in EXPORT_CASES])
 def test_torch_export_dynamic_batch_and_seq(case):
     name, options = case
+    with attention_path("reference" if name.endswith("-ref") else "fast"):
+        _export_dynamic_batch_and_seq(name, options)
+
+
+def _export_dynamic_batch_and_seq(name, options):
     variant = name.split("-")[0]
     enc = randomize_init(build_encoder(variant, seed=0, n_layers=2, **SMALL, **options)).eval()
     specs = enc.context_inputs()
@@ -79,7 +84,7 @@ def test_torch_export_dynamic_batch_and_seq(case):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if variant == "maw":  # the selection survives export: a graph node of the custom op
-        assert any("maw_depth_select" in str(n.target) for n in ep.graph.nodes)
+        assert any("maw_depth_gather" in str(n.target) for n in ep.graph.nodes)
     if name == "smal-shared-ref":
         assert any("tta_distance" in str(n.target) for n in ep.graph.nodes)
 
@@ -93,7 +98,8 @@ def test_torch_export_maw_with_depth_output():
             self.encoder = enc
 
         def forward(self, hidden_states, attention_mask):
-            return self.encoder(hidden_states, attention_mask, return_depth=True)
+            out, extras = self.encoder(hidden_states, attention_mask, return_extras=True)
+            return out, extras["maw_depth"]
 
     batch, seq = Dim("batch", min=1, max=64), Dim("seq", min=1, max=512)
     g = gen(4)
@@ -103,7 +109,8 @@ def test_torch_export_maw_with_depth_output():
     mask = right_pad_mask([9, 3, 7, 1, 9, 5], 9)
     with torch.no_grad():
         out, depth = ep.module()(x, mask)
-        want_out, want_depth = enc(x, mask, return_depth=True)
+        want_out, extras = enc(x, mask, return_extras=True)
+        want_depth = extras["maw_depth"]
     assert depth.dtype == torch.int64 and depth.shape == (6,)
     assert torch.equal(depth, want_depth)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)

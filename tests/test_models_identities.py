@@ -18,10 +18,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_models_support import D_MODEL, SMALL, gen, make_context, right_pad_mask, specs_of  # noqa: E402
+from test_models_support import D_MODEL, SMALL, gen, make_context, on_path, right_pad_mask, specs_of  # noqa: E402
 
 from attnx.models import build_encoder, build_variant  # noqa: E402
-from attnx.models.hooks import run_with_cache  # noqa: E402
+from attnx.interp.hooks import run_with_cache  # noqa: E402
 
 GATE_GAP = 1.0 - 1.0 / (1.0 + math.exp(-4.0))  # 1 - sigmoid(4) = 0.01799
 SHARED = ("W_Q.", "W_K.", "W_V.", "W_O.")
@@ -193,18 +193,18 @@ def test_metaphor_at_init_bound(metaphor_input, post_norm):
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("rewrite", [False, True])
 def test_smal_gamma_zero_is_mha(per_head, rewrite):
-    mod = build_variant("smal", seed=8, gamma_init=0.0, per_head_trace=per_head, use_rewrite=rewrite,
-                        d_self=10, **SMALL).eval()
+    mod = build_variant("smal", seed=8, gamma_init=0.0, per_head_trace=per_head, d_self=10, **SMALL).eval()
     base = mha_like(mod)
     x, mask, ctx = data(mod)
     ctx["trace"] = ctx["trace"] * 10  # a big trace: only gamma = 0 makes it irrelevant
-    torch.testing.assert_close(mod(x, mask, **ctx), base(x, mask), atol=1e-5, rtol=0)
-    _, cache = run_with_cache(mod, x, mask, **ctx)
-    _, cache_base = run_with_cache(base, x, mask)
-    torch.testing.assert_close(cache["hook_pattern"], cache_base["hook_pattern"], atol=1e-6, rtol=0)
-    with torch.no_grad():
-        mod.gamma.fill_(0.5)
-    assert (mod(x, mask, **ctx) - base(x, mask))[:2].abs().max() > 1e-3
+    with on_path(rewrite):
+        torch.testing.assert_close(mod(x, mask, **ctx), base(x, mask), atol=1e-5, rtol=0)
+        _, cache = run_with_cache(mod, x, mask, **ctx)
+        _, cache_base = run_with_cache(base, x, mask)
+        torch.testing.assert_close(cache["hook_pattern"], cache_base["hook_pattern"], atol=1e-6, rtol=0)
+        with torch.no_grad():
+            mod.gamma.fill_(0.5)
+        assert (mod(x, mask, **ctx) - base(x, mask))[:2].abs().max() > 1e-3
 
 
 def test_smal_gamma_zero_encoder_is_mha_encoder():

@@ -16,7 +16,7 @@ from test_models_support import (  # noqa: E402
 )
 
 from attnx.models import VARIANTS, build_encoder, build_variant, encoder_from_config  # noqa: E402
-from attnx.models.hooks import hook_points, patch_heads, patch_hook, run_with_cache, run_with_hooks  # noqa: E402
+from attnx.interp import hook_points, patch_heads, patch_hook, run_with_cache, run_with_hooks  # noqa: E402
 
 N_LAYERS = 3
 B, L = 3, 6
@@ -87,7 +87,7 @@ def test_bare_module_cache_names(batch):
 @pytest.mark.parametrize("variant,options", [("mha", {}), ("mha", {"is_causal": True}),
                                              ("cultural", {"d_cultural": 12}),
                                              ("cultural", {"d_cultural": 12, "bias_mode": "query"}),
-                                             ("smal", {"d_self": 10, "use_rewrite": True})])
+                                             ("smal", {"d_self": 10})])
 def test_fused_path_equals_explicit_path(variant, options, batch):
     x, mask = batch
     enc = build_encoder(variant, seed=1, n_layers=2, **SMALL, **options)

@@ -17,8 +17,10 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).parent))
 from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, right_pad_mask  # noqa: E402
 
-from attnx.models import build_encoder, build_variant, custom_ops  # noqa: E402
-from attnx.models.hooks import run_with_cache  # noqa: E402
+from attnx.models import build_encoder, build_variant  # noqa: E402
+from attnx.models import maw as maw_module  # noqa: E402
+from attnx.models import smal as smal_module  # noqa: E402
+from attnx.interp.hooks import run_with_cache  # noqa: E402
 from attnx.models.maw import attention_rewards, maw_logits_5d  # noqa: E402
 
 DEPTH = 4
@@ -111,11 +113,12 @@ def test_policy_uses_masked_mean_of_the_input():
     assert mod.last_depth.tolist() == mod.policy(pooled).argmax(-1).tolist()
 
 
-def test_encoder_return_depth_is_the_last_maw_layer_choice():
+def test_encoder_maw_depth_is_the_last_maw_layer_choice():
     enc = build_encoder("maw", seed=2, n_layers=2, depth_dim=DEPTH, **SMALL)
     steer_policy(enc.blocks[1].attn)
     x = torch.randn(3, 5, D_MODEL, generator=gen(2))
-    out, depth = enc(x, None, return_depth=True)
+    out, extras = enc(x, None, return_extras=True)
+    depth = extras["maw_depth"]
     assert depth.tolist() == enc.blocks[1].attn.last_depth.tolist()
     torch.testing.assert_close(out, enc(x, None), atol=0, rtol=0)
 
@@ -184,7 +187,7 @@ def test_hard_gumbel_straight_through_is_one_hot():
 
 
 def _reward_rows(mask, causal=False):
-    from attnx.models.common import mask_bias
+    from attnx.models.attention import mask_bias
 
     l = mask.shape[1]
     bias, row_valid = mask_bias(mask, l, l, torch.float32, causal)
@@ -319,8 +322,8 @@ def test_grpo_moves_policy_to_the_sharp_depth():
 class RankRecorder(TorchDispatchMode):
     """Record (op, rank) of every tensor produced, descending into the attnx custom ops."""
 
-    _impls = {"attnx.maw_depth_select.default": custom_ops.maw_depth_select._init_fn,
-              "attnx.tta_distance.default": custom_ops.tta_distance._init_fn}
+    _impls = {"attnx.maw_depth_gather.default": maw_module.maw_depth_gather._init_fn,
+              "attnx.tta_distance.default": smal_module.tta_distance._init_fn}
 
     def __init__(self, seen=None):
         super().__init__()
@@ -352,6 +355,6 @@ def test_no_rank5_tensor_is_allocated(training):
         enc(x, mask)
     ops = {op for op, _ in rec.seen}
     if not training:
-        assert "attnx.maw_depth_select.default" in ops and "aten.gather.default" in ops
+        assert "attnx.maw_depth_gather.default" in ops and "aten.gather.default" in ops
     five = [(op, r) for op, r in rec.seen if r >= 5]
     assert not five, f"rank-5 tensors produced: {five[:5]}"

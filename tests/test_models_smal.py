@@ -10,11 +10,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, left_pad_mask, right_pad_mask  # noqa: E402
+from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, left_pad_mask, on_path, right_pad_mask  # noqa: E402
 
-from attnx.models import build_encoder, build_variant, custom_ops  # noqa: E402
-from attnx.models.custom_ops import tta_distance, tta_distance_expanded  # noqa: E402
-from attnx.models.hooks import run_with_cache  # noqa: E402
+from attnx.models import attention_path, build_encoder, build_variant, reference  # noqa: E402
+from attnx.models import smal as smal_module  # noqa: E402
+from attnx.models.smal import tta_distance, tta_distance_expanded  # noqa: E402
+from attnx.interp.hooks import run_with_cache  # noqa: E402
 
 
 def naive_distance(q, k, trace):
@@ -43,7 +44,7 @@ def test_tta_distance_matches_expanded_and_naive_loop(heads_in_trace, monkeypatc
     torch.testing.assert_close(tta_distance_expanded(q, k, trace), ref, atol=1e-12, rtol=0)
     # the chunked path (several query rows per chunk, and one row per chunk) gives the same
     for elements in (2 * 3 * 6 * 4 * 2, 1):
-        monkeypatch.setattr(custom_ops, "_TTA_CHUNK_ELEMENTS", elements)
+        monkeypatch.setattr(smal_module, "_TTA_CHUNK_ELEMENTS", elements)
         torch.testing.assert_close(tta_distance(q, k, trace), ref, atol=1e-12, rtol=0)
     # fp32 agreement between the literal and the expanded form on unit-scale inputs
     q32, k32, t32 = q.float(), k.float(), trace.float()
@@ -124,39 +125,40 @@ def test_reference_matches_formula_by_hand(mode, per_head, unbatched):
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "perhead"])
 @pytest.mark.parametrize("mode", ["smal", "tta"])
 def test_rewrite_matches_reference(mode, per_head, causal):
-    ref = smal(mode=mode, per_head_trace=per_head, is_causal=causal)
-    fast = smal(mode=mode, per_head_trace=per_head, is_causal=causal, use_rewrite=True)
-    fast.load_state_dict(ref.state_dict())
+    mod = smal(mode=mode, per_head_trace=per_head, is_causal=causal)
     x, s, trace = smal_inputs(per_head, b=4, l=7, seed=3)
     masks = [None, right_pad_mask([7, 4, 1, 0], 7), left_pad_mask([7, 5, 2, 0], 7)]
     for mask in masks:
-        want = ref(x, mask, self_state=s, trace=trace)
-        got = fast(x, mask, self_state=s, trace=trace)
+        with reference():
+            want = mod(x, mask, self_state=s, trace=trace)
+        got = mod(x, mask, self_state=s, trace=trace)  # the default (fast) path: the rewrite
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        hand, _ = by_hand(ref, x, mask, s, trace, mode, causal)
+        hand, _ = by_hand(mod, x, mask, s, trace, mode, causal)
         torch.testing.assert_close(got, hand, atol=1e-5, rtol=0)
     # unbatched trace broadcasts the same way on both paths
     t0 = trace[0]
-    torch.testing.assert_close(fast(x, masks[1], self_state=s, trace=t0), ref(x, masks[1], self_state=s, trace=t0),
-                               atol=1e-5, rtol=0)
+    with reference():
+        want = mod(x, masks[1], self_state=s, trace=t0)
+    torch.testing.assert_close(mod(x, masks[1], self_state=s, trace=t0), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["smal", "tta"])
 def test_rewrite_matches_reference_encoder_and_gradients(mode):
-    ref = build_encoder("smal", seed=4, n_layers=2, mode=mode, per_head_trace=True, d_self=10, **SMALL)
-    fast = build_encoder("smal", seed=4, n_layers=2, mode=mode, per_head_trace=True, use_rewrite=True,
-                         d_self=10, **SMALL)
+    model = build_encoder("smal", seed=4, n_layers=2, mode=mode, per_head_trace=True, d_self=10, **SMALL)
     x, s, trace = smal_inputs(True, b=3, l=6, seed=5)
     mask = right_pad_mask([6, 2, 4], 6)
-    torch.testing.assert_close(fast(x, mask, self_state=s, trace=trace), ref(x, mask, self_state=s, trace=trace),
-                               atol=1e-5, rtol=0)
+    with reference():
+        want = model(x, mask, self_state=s, trace=trace)
+    torch.testing.assert_close(model(x, mask, self_state=s, trace=trace), want, atol=1e-5, rtol=0)
     # both paths train: same gradients (the reference goes through tta_distance's autograd)
     grads = []
-    for model in (ref.train(), fast.train()):
+    model.train()
+    for path in ("reference", "fast"):
         model.zero_grad()
         tr = trace.clone().requires_grad_(True)
         probe = torch.randn(3, 2, D_MODEL, generator=gen(11))  # (sum of squares of a LayerNorm output is constant)
-        (model(x, mask, self_state=s, trace=tr)[:, :2] * probe).sum().backward()
+        with attention_path(path):
+            (model(x, mask, self_state=s, trace=tr)[:, :2] * probe).sum().backward()
         grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()] + [tr.grad])
     assert grads[0][-1].abs().max() > 1e-3  # the trace does get a gradient
     for a, b in zip(*grads):
@@ -184,7 +186,12 @@ def test_tta_mode_is_softmax_of_minus_distance():
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "perhead"])
 def test_self_state_and_trace_change_output_and_attention(per_head, rewrite):
     """The seed's evaluation point: same x, different self_state / trace -> different output and map."""
-    enc = build_encoder("smal", seed=7, n_layers=2, per_head_trace=per_head, use_rewrite=rewrite, d_self=10, **SMALL)
+    with on_path(rewrite):
+        _self_state_and_trace_change_output_and_attention(per_head)
+
+
+def _self_state_and_trace_change_output_and_attention(per_head):
+    enc = build_encoder("smal", seed=7, n_layers=2, per_head_trace=per_head, d_self=10, **SMALL)
     g = gen(8)
     x, s, trace = smal_inputs(per_head, b=2, l=6, seed=8)
     mask = right_pad_mask([6, 5], 6)

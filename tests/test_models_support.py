@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnx.models.common import InputSpec
+from attnx.models import VARIANTS, attention_path
+from attnx.models.signature import InputSpec
 
 D_MODEL, N_HEADS = 32, 4
 HEAD_DIM = D_MODEL // N_HEADS
@@ -29,10 +30,16 @@ for _mi in ("sequence", "token", "type", "token_type"):
 VARIANT_CASES.append(("maw", "maw", dict(depth_dim=4)))
 for _mode in ("smal", "tta"):
     for _ph in (False, True):
-        for _rw in (False, True):
-            VARIANT_CASES.append((f"smal-{_mode}-{'perhead' if _ph else 'shared'}-{'rewrite' if _rw else 'ref'}",
-                                  "smal", dict(mode=_mode, per_head_trace=_ph, use_rewrite=_rw, d_self=10)))
+        VARIANT_CASES.append((f"smal-{_mode}-{'perhead' if _ph else 'shared'}", "smal",
+                              dict(mode=_mode, per_head_trace=_ph, d_self=10)))
+# Every registered variant is covered, with its defaults when the matrix above does not name it.
+VARIANT_CASES += [(name, name, {}) for name in VARIANTS if name not in {c[1] for c in VARIANT_CASES}]
 CASE_IDS = [c[0] for c in VARIANT_CASES]
+
+
+def on_path(rewrite: bool):
+    """The fast path (smal: the exact rewrite) or the reference path (the literal formulas)."""
+    return attention_path("fast" if rewrite else "reference")
 
 
 def gen(seed: int = 0) -> torch.Generator:
@@ -41,9 +48,9 @@ def gen(seed: int = 0) -> torch.Generator:
 
 def specs_of(model: nn.Module) -> list[InputSpec]:
     """Context input specs of an Encoder, a Block or an attention module."""
-    if hasattr(model, "context_inputs"):
+    if hasattr(model, "blocks") or hasattr(model, "spec"):
         return model.context_inputs()
-    return model.context_specs()
+    return model.context_inputs(model.config)
 
 
 def make_context(specs: list[InputSpec], b: int, l: int, g: torch.Generator, n_types: int = 5,

@@ -29,8 +29,8 @@ from test_models_support import (  # noqa: E402
     specs_of,
 )
 
-from attnx.models import build_encoder, build_variant  # noqa: E402
-from attnx.models.hooks import run_with_cache  # noqa: E402
+from attnx.models import attention_path, build_encoder, build_variant, get_spec  # noqa: E402
+from attnx.interp.hooks import run_with_cache  # noqa: E402
 
 ATOL = 2e-5
 
@@ -68,10 +68,15 @@ def test_output_shapes(case):
     x, ctx = inputs(mod, 3, 7)
     y = mod(x, mask, **ctx)
     assert y.shape == (3, 7, D_MODEL) and torch.isfinite(y).all()
+    out2, extras = enc(x, mask, return_extras=True, **ctx)
+    torch.testing.assert_close(out2, out, atol=0, rtol=0)
+    assert set(extras) == {o.name for o in get_spec(variant).extra_outputs}
+    for spec in get_spec(variant).extra_outputs:
+        assert tuple(extras[spec.name].shape) == tuple(3 if d == "batch" else 7 if d == "seq" else d
+                                                       for d in spec.shape)
     if variant == "maw":
-        out, depth = enc(x, mask, return_depth=True)
-        assert depth.shape == (3,) and depth.dtype == torch.int64
-        assert ((depth >= 0) & (depth < options["depth_dim"])).all()
+        depth = extras["maw_depth"]
+        assert depth.dtype == torch.int64 and ((depth >= 0) & (depth < options["depth_dim"])).all()
 
 
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=CASE_IDS)
@@ -194,15 +199,20 @@ def test_options_change_the_function(case):
     assert (enc(x, None, **ctx) - base(x, None)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("variant,options", [
-    ("smal", dict(mode="tta", d_self=10)),  # explicit path, scores = -D (large and negative)
-    ("smal", dict(mode="tta", d_self=10, use_rewrite=True)),  # fused path with a negative per-key bias
-    ("cultural", dict(d_cultural=12)),  # fused path with a large negative cultural key bias
+@pytest.mark.parametrize("variant,options,path", [
+    ("smal", dict(mode="tta", d_self=10), "reference"),  # explicit path, scores = -D (large and negative)
+    ("smal", dict(mode="tta", d_self=10), "fast"),  # fused path with a negative per-key bias
+    ("cultural", dict(d_cultural=12), "fast"),  # fused path with a large negative cultural key bias
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_empty_rows_stay_finite_in_half_precision(variant, options, dtype):
+def test_empty_rows_stay_finite_in_half_precision(variant, options, path, dtype):
+    with attention_path(path):
+        _empty_rows_stay_finite(variant, options, dtype)
+
+
+def _empty_rows_stay_finite(variant, options, dtype):
     """fp16's dtype-min mask plus a score below -16 overflows to -inf; an all-masked row must still give 0."""
-    from attnx.models.common import mask_bias
+    from attnx.models.attention import mask_bias
 
     mod = build_variant(variant, seed=0, **SMALL, **options).eval()
     g = gen(9)

@@ -1,4 +1,4 @@
-"""Attention visualisation (attnx.models.visualize): self-contained HTML, PNG heatmaps."""
+"""Attention visualisation (attnx.interp.visualize): self-contained HTML, PNG heatmaps."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ pytest.importorskip("matplotlib")  # a guard only: installed with attnx[dev]
 from PIL import Image  # noqa: E402  (matplotlib depends on pillow)
 
 from attnx.models import build_encoder  # noqa: E402
-from attnx.models.analysis import analyze_cache  # noqa: E402
-from attnx.models.gpt2 import GPT2LM  # noqa: E402
-from attnx.models.hooks import run_with_cache  # noqa: E402
-from attnx.models.visualize import (  # noqa: E402
+from attnx.interp.analysis import analyze_cache  # noqa: E402
+from attnx.pretrained.gpt2 import GPT2LM  # noqa: E402
+from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.interp.visualize import (  # noqa: E402
     attention_html,
     default_figsize,
     save_attention_html,

@@ -1,22 +1,62 @@
-"""Pieces every variant shares: configs, input checks, masking, heads, hooks, the FFN.
+"""The attention every variant builds on: config, masking, heads, the Q/K/V/O module.
 
 Conventions (variants.md): hidden states ``x`` are ``[B, L, d_model]``; heads are
 ``[B, H, L, Dh]``; ``attention_mask`` is ``[B, L]`` with 1 = token, 0 = padding.
+
+**Attention paths.** Every variant computes the same function along one of three paths,
+chosen by :func:`attention_path` (a context manager; the default is ``"fast"``):
+
+- ``fast``: the exact fast path (fused ``scaled_dot_product_attention``, the variants' exact
+  rewrites). What inference runs, and what the ``rewrite`` lowering exports.
+- ``reference``: the literal formulas of variants.md (explicit scores and softmax); what
+  tests and ``attnx check`` compare against. ``with reference(): ...``
+- ``plugin``: the custom ops that become TensorRT plugins (the ``plugin`` lowering).
+
+A hook observing the scores or the pattern makes a layer take its explicit path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# --------------------------------------------------------------------------- config
+from attnx.interp.hooks import HookPoint
+from attnx.models.signature import InputSpec, check_choice, check_inputs
 
+# --------------------------------------------------------------------------- paths
+
+PATHS = ("fast", "reference", "plugin")
+_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("attnx_attention_path", default="fast")
+
+
+@contextlib.contextmanager
+def attention_path(path: str):
+    """Run the attention of every variant along ``path`` (``fast`` | ``reference`` | ``plugin``)."""
+    check_choice("attention path", path, PATHS)
+    token = _PATH.set(path)
+    try:
+        yield
+    finally:
+        _PATH.reset(token)
+
+
+def reference():
+    """``with reference(): model(x)`` runs the literal formulas (tests, ``attnx check``)."""
+    return attention_path("reference")
+
+
+def current_path() -> str:
+    return _PATH.get()
+
+
+# --------------------------------------------------------------------------- config
 
 @dataclass
 class AttentionConfig:
@@ -43,86 +83,6 @@ class AttentionConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-def check_choice(name: str, value, choices: Sequence) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-
-# --------------------------------------------------------------------------- input specs and checks
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """A model input: dims are ints or the dynamic names "batch" / "seq"."""
-
-    name: str
-    shape: tuple
-    dtype: str  # "float" (float32/float16/bfloat16), "int64", or "int" (int64/int32/bool)
-    role: str  # hidden_states | attention_mask | context
-    doc: str = ""
-    broadcast_batch: bool = False  # may be given without the batch dim (shared by the batch)
-
-    def describe(self) -> str:
-        return f"{self.name} [{', '.join(map(str, self.shape))}] {self.dtype}"
-
-
-_DTYPES = {
-    "float": (torch.float32, torch.float16, torch.bfloat16, torch.float64),
-    "int64": (torch.int64, torch.int32),
-    "mask": (torch.int64, torch.int32, torch.bool),
-}
-
-
-def check_tensor(spec: InputSpec, value, dims: dict[str, int]) -> None:
-    """Raise ValueError naming the input, the expected shape and the given one.
-
-    ``dims`` binds "batch"/"seq" on first sight, so later inputs must agree with the first.
-    """
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{spec.name}: expected a torch.Tensor, got {type(value).__name__}")
-    if value.dtype not in _DTYPES[spec.dtype]:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in _DTYPES[spec.dtype])
-        raise ValueError(f"{spec.name}: expected dtype {allowed}; got {str(value.dtype).replace('torch.', '')}")
-    expected = [dims.get(d, d) if isinstance(d, str) else d for d in spec.shape]
-    shown = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) and d in dims else str(d) for d in spec.shape) + "]"
-    if value.dim() != len(spec.shape):
-        raise ValueError(f"{spec.name}: expected shape {shown}, got {list(value.shape)} (rank {value.dim()})")
-    for want, got in zip(expected, value.shape):
-        if isinstance(want, int) and want != got:
-            raise ValueError(f"{spec.name}: expected shape {shown}, got {list(value.shape)}")
-    for d, got in zip(spec.shape, value.shape):
-        if isinstance(d, str):
-            dims.setdefault(d, int(got))
-
-
-def check_inputs(specs: Sequence[InputSpec], values: dict, *, optional: Sequence[str] = ()) -> dict[str, int]:
-    """Check every named input against its spec; unknown or missing names are errors.
-
-    An input whose spec is marked ``broadcast_batch`` may also come without its batch dim.
-    """
-    known = {s.name for s in specs}
-    extra = sorted(set(values) - known)
-    if extra:
-        raise ValueError(f"unexpected input(s) {', '.join(extra)}; this model takes: "
-                         + ", ".join(s.describe() for s in specs))
-    dims: dict[str, int] = {}
-    for spec in specs:
-        if values.get(spec.name) is None:
-            if spec.name in optional:
-                continue
-            raise ValueError(f"missing input {spec.describe()}")
-        value = values[spec.name]
-        if spec.broadcast_batch and isinstance(value, torch.Tensor) and value.dim() == len(spec.shape) - 1:
-            try:
-                check_tensor(dataclasses.replace(spec, shape=spec.shape[1:]), value, dims)
-            except ValueError as e:  # name the batched form too: the rank alone may be the mistake
-                batched = ", ".join(f"{d}={dims[d]}" if isinstance(d, str) and d in dims else str(d)
-                                    for d in spec.shape)
-                raise ValueError(f"{e} (or the batched form [{batched}])") from None
-            continue
-        check_tensor(spec, value, dims)
-    return dims
 
 
 # --------------------------------------------------------------------------- masking
@@ -174,9 +134,6 @@ def masked_mean(x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
     return (x * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.0)
 
 
-# --------------------------------------------------------------------------- heads
-
-
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """``[B, L, H*Dh] -> [B, L, H, Dh]`` (the hook layout; ``.transpose(1, 2)`` gives ``[B, H, L, Dh]``)."""
     b, l, d = x.shape
@@ -189,43 +146,7 @@ def merge_heads(z: torch.Tensor) -> torch.Tensor:
     return z.reshape(b, l, h * dh)
 
 
-# --------------------------------------------------------------------------- hooks
-
-
-class HookPoint(nn.Module):
-    """An identity a user can observe or replace (TransformerLens-style).
-
-    A hook is ``fn(tensor, hook) -> tensor | None``; returning a tensor replaces
-    the activation. The module's qualified name (``blocks.0.attn.hook_pattern``)
-    is the hook's name.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.name: str = ""
-        self._fns: list[Callable] = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self._fns)
-
-    def add(self, fn: Callable) -> None:
-        self._fns.append(fn)
-
-    def clear(self) -> None:
-        self._fns.clear()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for fn in self._fns:
-            out = fn(x, self)
-            if out is not None:
-                if out.shape != x.shape:
-                    raise ValueError(f"hook on {self.name} returned shape {list(out.shape)}, expected {list(x.shape)}")
-                x = out
-        return x
-
-
-# --------------------------------------------------------------------------- attention base
+# --------------------------------------------------------------------------- the module
 
 
 class AttentionBase(nn.Module):
@@ -236,8 +157,6 @@ class AttentionBase(nn.Module):
     ``hook_z`` ``[B, L, H, Dh]``.
     """
 
-    #: context inputs this variant's forward takes (name -> InputSpec factory args)
-    context_names: tuple[str, ...] = ()
 
     def __init__(self, config: AttentionConfig):
         super().__init__()
@@ -274,21 +193,28 @@ class AttentionBase(nn.Module):
         """``[H, Dh, d_model]``: head h's slice of W_O."""
         return self.W_O.weight.T.view(self.n_heads, self.head_dim, self.config.d_model)
 
-    def context_specs(self) -> list[InputSpec]:
+    @staticmethod
+    def context_inputs(config) -> list[InputSpec]:
+        """The context inputs this attention's forward takes (by keyword)."""
         return []
+
+    @property
+    def context_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.context_inputs(self.config))
 
     def validate(self, x, attention_mask, **context) -> None:
         """ValueError naming the input when a shape or dtype is wrong (skipped while exporting)."""
         if torch.compiler.is_exporting():
             return
         specs = [InputSpec("x", ("batch", "seq", self.config.d_model), "float", "hidden_states"),
-                 InputSpec("attention_mask", ("batch", "seq"), "mask", "attention_mask"), *self.context_specs()]
+                 InputSpec("attention_mask", ("batch", "seq"), "mask", "attention_mask"), *self.context_inputs(self.config)]
         check_inputs(specs, {"x": x, "attention_mask": attention_mask, **context}, optional=("attention_mask",))
 
     @property
-    def pattern_hooked(self) -> bool:
-        """True when a user observes scores/pattern, so the explicit (non-fused) path must run."""
-        return self.hook_attn_scores.active or self.hook_pattern.active
+    def explicit(self) -> bool:
+        """True when this layer must form scores and pattern explicitly: a hook observes them,
+        or the reference path runs."""
+        return self.hook_attn_scores.active or self.hook_pattern.active or current_path() == "reference"
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x ``[B, L, D]`` -> q, k, v ``[B, H, L, Dh]`` (through the hook points)."""
@@ -330,20 +256,3 @@ class AttentionBase(nn.Module):
                 raise ValueError(f"head_mask: expected {self.n_heads} heads, got shape {list(head_mask.shape)}")
             z = z * hm
         return self.W_O(merge_heads(z))
-
-
-# --------------------------------------------------------------------------- FFN
-
-
-class FeedForward(nn.Module):
-    """Linear -> GELU -> Linear, ``mult`` x wide."""
-
-    def __init__(self, d_model: int, mult: int = 4, activation: str = "gelu"):
-        super().__init__()
-        check_choice("activation", activation, ("gelu", "gelu_tanh"))
-        self.fc_in = nn.Linear(d_model, mult * d_model)
-        self.fc_out = nn.Linear(mult * d_model, d_model)
-        self.approximate = "tanh" if activation == "gelu_tanh" else "none"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))

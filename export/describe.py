@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from attnx.export.metadata import PREFIX
+from attnx.contract import PREFIX
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list:
@@ -22,7 +22,7 @@ def _dtype(vi: onnx.ValueInfoProto) -> str:
     return onnx.TensorProto.DataType.Name(et).lower() if et else "?"
 
 
-def inspect_model(path: str | Path) -> dict:
+def describe_model(path: str | Path) -> dict:
     """A plain-dict description of the model at ``path`` (external data is not loaded)."""
     path = Path(path)
     if not path.is_file():

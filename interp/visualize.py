@@ -25,7 +25,7 @@ import torch
 
 def _layer_patterns(patterns: Mapping, batch_index: int = 0) -> dict[int, torch.Tensor]:
     """Normalise the accepted forms to ``{layer: [H, L, L]}`` (float32, CPU)."""
-    from attnx.models.analysis import pattern_keys
+    from attnx.interp.analysis import pattern_keys
 
     out: dict[int, torch.Tensor] = {}
     if all(isinstance(k, str) for k in patterns):  # a cache: other activations are skipped
@@ -155,7 +155,7 @@ def attention_html(tokens: Sequence[str], patterns: Mapping, layers: Sequence[in
     """One HTML page: a head selector, a query x key heatmap (hover a cell for its weight)
     and the text (hover a token to shade the tokens it attends to).
 
-    ``behaviors`` (from :func:`attnx.models.analysis.analyze_heads`) adds each head's
+    ``behaviors`` (from :func:`attnx.interp.analysis.analyze_heads`) adds each head's
     primary pattern to the selector and its scores under it. Weights are rounded to
     ``decimals`` places to keep the page small. ``text`` is shown above the plots
     (default: the tokens joined by spaces).
@@ -302,7 +302,7 @@ def visualize_text(model, tokenizer, text: str, out_dir: str | Path, layers: Seq
 
     Returns ``{"html": Path, "png": [Path, ...], "tokens": [...], "behaviors": [...]}``.
     """
-    from attnx.models.analysis import analyze_cache, cache_patterns, pattern_keys
+    from attnx.interp.analysis import analyze_cache, cache_patterns, pattern_keys
 
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is None:

@@ -6,7 +6,7 @@
         print(b.layer, b.head, b.primary_pattern, b.scores, b.entropy)
 
 Works on anything whose attention feeds ``blocks.{i}.attn.hook_pattern``
-``[B, H, Lq, Lk]`` (every variant's encoder, and :class:`attnx.models.gpt2.GPT2LM`).
+``[B, H, Lq, Lk]`` (every attnx encoder, and the pretrained hosts that wrap one).
 
 Definitions (per head, pooled over every valid query row of every example)
 -------------------------------------------------------------------------
@@ -52,16 +52,15 @@ BOS / first token; with left padding it is not 0).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from attnx.models.common import HookPoint
+from attnx.interp.hooks import run_with_cache
 
 PATTERNS: tuple[str, ...] = ("previous_token", "first_token", "self", "local_window")
 
@@ -85,40 +84,7 @@ class HeadBehavior:
         return asdict(self)
 
 
-# --------------------------------------------------------------------------- hooks by name
-
-
-def _hook_name_index(model: nn.Module) -> dict[str, str]:
-    """HookPoint.name -> qualified module name.
-
-    An Encoder names its hook points ``blocks.{i}...``; a wrapper (e.g. GPT2LM with
-    ``.encoder``) has qualified names ``encoder.blocks.{i}...``. Resolving by the hook's
-    own name lets the same hook names work on both.
-    """
-    return {m.name or q: q for q, m in model.named_modules() if isinstance(m, HookPoint)}
-
-
-@contextlib.contextmanager
-def hooks_by_name(model: nn.Module, fwd_hooks: Iterable[tuple[str, object]]):
-    """Like :func:`attnx.models.hooks.hooks` but names are the hook points' own names
-    (``blocks.0.attn.hook_pattern``) even when ``model`` wraps the encoder.
-    Hooks run in list order; all are removed on exit."""
-    from attnx.models.hooks import hooks
-
-    index = _hook_name_index(model)
-    resolved = []
-    for name, fn in fwd_hooks:
-        if isinstance(name, str):
-            if name not in index:
-                raise ValueError(f"no hook point named {name!r}; e.g. {', '.join(list(index)[:6])}, ...")
-            name = index[name]
-        else:  # a predicate over hook names
-            pred = name
-            by_q = {q: n for n, q in index.items()}
-            name = lambda q, pred=pred, by_q=by_q: q in by_q and bool(pred(by_q[q]))  # noqa: E731
-        resolved.append((name, fn))
-    with hooks(model, resolved):
-        yield model
+# --------------------------------------------------------------------------- running the model
 
 
 def _n_layers(model: nn.Module) -> int:
@@ -139,14 +105,9 @@ def cache_patterns(model: nn.Module, inputs: torch.Tensor, attention_mask: torch
     for i in layers:
         if not 0 <= i < n:
             raise ValueError(f"layer {i} out of range: the model has {n} layers")
-    cache: dict[str, torch.Tensor] = {}
-
-    def save(x: torch.Tensor, hook: HookPoint):
-        cache[hook.name] = x.detach()
-
     names = [f"blocks.{i}.attn.hook_pattern" for i in layers]
-    with torch.no_grad(), hooks_by_name(model, [*fwd_hooks, *[(n_, save) for n_ in names]]):
-        model(inputs, attention_mask, **context)
+    with torch.no_grad():
+        _, cache = run_with_cache(model, inputs, attention_mask, names_filter=names, fwd_hooks=fwd_hooks, **context)
     return {n_: cache[n_] for n_ in names}
 
 

@@ -41,15 +41,15 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from attnx.models.common import HookPoint
+from attnx.interp.hooks import HookPoint, Hooked, name_hook_points
+from attnx.models.build import build_encoder
 from attnx.models.encoder import Encoder
-from attnx.models.registry import build_encoder
 
 # activation_function in config.json -> our FeedForward's activation
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
-class GPT2LM(nn.Module):
+class GPT2LM(Hooked, nn.Module):
     """GPT-2 language model: embeddings + attnx :class:`Encoder` + (tied) LM head."""
 
     def __init__(self, encoder: Encoder, vocab_size: int, n_positions: int, tie_word_embeddings: bool = True,
@@ -65,7 +65,7 @@ class GPT2LM(nn.Module):
         if tie_word_embeddings:
             self.lm_head.weight = self.wte.weight  # one Parameter, as in GPT-2
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
-        self.hook_embed.name, self.hook_pos_embed.name = "hook_embed", "hook_pos_embed"
+        name_hook_points(self, strip="encoder.")  # blocks.{i}..., hook_embed: the TransformerLens names
         self.tokenizer = tokenizer  # a `tokenizers.Tokenizer` or None
 
     @property
@@ -90,30 +90,6 @@ class GPT2LM(nn.Module):
         x = self.hook_embed(self.wte(input_ids)) + self.hook_pos_embed(self.wpe(position_ids).expand(b, l, -1))
         x = self.encoder(x, attention_mask)  # [B, L, D], ln_f applied
         return self.lm_head(x)  # [B, L, V]
-
-    # ---- interpretability: the encoder's hook names (blocks.{i}.attn.hook_pattern, ...) ----------
-    def run_with_hooks(self, input_ids, attention_mask=None, *, fwd_hooks=(), **kwargs) -> torch.Tensor:
-        from attnx.models.analysis import hooks_by_name
-
-        with hooks_by_name(self, fwd_hooks):
-            return self(input_ids, attention_mask, **kwargs)
-
-    def run_with_cache(self, input_ids, attention_mask=None, *, names_filter=None, fwd_hooks=(), detach=True,
-                       **kwargs):
-        """``(logits, cache)``; cache keys are hook names (``blocks.0.attn.hook_pattern``,
-        ``hook_embed``, ...), filtered by ``names_filter`` (name, list of names or predicate)."""
-        from attnx.models.analysis import _hook_name_index, hooks_by_name
-        from attnx.models.hooks import ActivationCache, _matches
-
-        cache = ActivationCache()
-
-        def save(x: torch.Tensor, hook: HookPoint):
-            cache[hook.name] = x.detach() if detach else x
-
-        names = [n for n in _hook_name_index(self) if _matches(names_filter, n)]
-        with hooks_by_name(self, [*fwd_hooks, *[(n, save) for n in names]]):
-            out = self(input_ids, attention_mask, **kwargs)
-        return out, cache
 
     # ---- text ---------------------------------------------------------------------------------
     def _need_tokenizer(self):

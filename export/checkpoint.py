@@ -1,0 +1,47 @@
+"""Model weights as safetensors: strict loading (every missing, unexpected or mis-shaped tensor is
+named) and saving beside an export (the PyTorch reference ``attnx check`` rebuilds)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+
+def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
+    """Load safetensors weights; any missing, unexpected or mis-shaped tensor is a clear error."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = [f"{k} {list(state[k].shape)} (model expects {list(own[k].shape)})"
+                  for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:4])}"
+                        f"{' ...' if len(unexpected) > 4 else ''}")
+    if mismatched:
+        problems.append(f"wrong shape {len(mismatched)}: {'; '.join(mismatched[:3])}")
+    if problems:
+        raise ValueError(f"checkpoint {path.name} does not fit this {getattr(model, 'variant', '')} model: " + " | ".join(problems))
+    model.load_state_dict(state)
+
+
+def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
