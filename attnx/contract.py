@@ -132,10 +132,11 @@ class ModelInfo:
     profiles: dict  # {"batch": [min, opt, max], "seq": [...]}
     version: str = ""  # attnx version that wrote the file
     weights: str | None = None  # safetensors file beside the model (the reference's weights)
+    tokenizer: dict | None = None  # text models: {"dir", "max_length", "truncation_side", "pad_id", ...}
     schema: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)
 
-    _JSON_KEYS = ("config", "inputs", "outputs", "profiles")
+    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer")
 
     # ---- lookups ------------------------------------------------------------------------
     def input(self, name: str) -> TensorEntry:
@@ -288,6 +289,21 @@ def parse_shapes(items: Iterable[str] | None) -> dict[str, tuple[int, int, int]]
     return out
 
 
+def read_profiles(props: Mapping[str, str]) -> dict[str, tuple[int, int, int]]:
+    """The ``attnx.profiles`` of any file's ``{key: value}`` metadata (an attnx export, or a hand-made
+    file that carries only its profiles), checked; ``{}`` when there are none."""
+    raw = props.get(PREFIX + "profiles")
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise ContractError(f"bad attnx.profiles metadata (not JSON): {raw[:80]!r}") from None
+    if not isinstance(data, Mapping):
+        raise ContractError(f"bad attnx.profiles metadata (not an object): {raw[:80]!r}")
+    return {axis: check_profile(axis, rng) for axis, rng in data.items()}
+
+
 def merge_profiles(base: Mapping[str, Iterable] | None,
                    overrides: Mapping[str, Iterable] | None) -> dict[str, tuple[int, int, int]]:
     """``base`` (e.g. a file's ``attnx.profiles``) with ``overrides`` on top, each checked."""
@@ -304,6 +320,22 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def graph_io(model) -> tuple[list[tuple[str, str, list]], list[tuple[str, str, list]]]:
+    """The graph's own inputs (initializers left out) and outputs of an ``onnx.ModelProto``, each as
+    ``(name, numpy dtype name, dims)``; a dim is an int, a dim name (``batch``, ``seq``), or None."""
+    import onnx
+
+    initializers = {i.name for i in model.graph.initializer}
+
+    def one(vi) -> tuple[str, str, list]:
+        t = vi.type.tensor_type
+        dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else None)
+                for d in t.shape.dim]
+        return vi.name, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name, dims
+
+    return [one(v) for v in model.graph.input if v.name not in initializers], [one(v) for v in model.graph.output]
 
 
 def contained(base: str | os.PathLike, relative: str, what: str) -> Path:

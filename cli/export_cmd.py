@@ -47,23 +47,47 @@ def parse_sets(variant: str, sets: list[str]) -> dict:
     return out
 
 
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--layers-replaced``: ``all`` (None), ``none`` (no layer) or ``0,3,5``."""
+    if text is None or text.strip().lower() == "all":
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(v) for v in text.replace(" ", "").split(",") if v != "")
+    except ValueError:
+        raise UserError(f"--layers-replaced {text!r}: expected all, none, or layer indices like 0,3,5") from None
+
+
 def register(app: typer.Typer) -> None:
     @app.command("export")
     @guarded
     def export(
-        variant: str = typer.Option(..., "--variant", help="A registered variant (see `attnx variants`)."),
-        output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .onnx (default: attnx-out/<variant>.onnx)."),
+        variant: Optional[str] = typer.Option(None, "--variant", help="A registered variant (see `attnx variants`); "
+                                              "with --from-pretrained, default mha."),
+        pretrained: Optional[Path] = typer.Option(None, "--from-pretrained", help="A local Hugging Face folder "
+                                                  "(BERT-family or GPT-2) to place the variant in."),
+        layers_replaced: Optional[str] = typer.Option(None, "--layers-replaced", help="With --from-pretrained: the "
+                                                      "layers whose attention the variant replaces: all | none | 0,3,5 "
+                                                      "(default all; none for a variant appended by default)."),
+        append: Optional[int] = typer.Option(None, "--append", help="With --from-pretrained: variant layers appended "
+                                             "after the encoder (MAW's own form; default 1 for maw, else 0)."),
+        output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .onnx (default: attnx-out/<name>.onnx)."),
         lowering: str = typer.Option("plugin", "--lowering", help="plugin (custom ops) | rewrite (standard ops only)"),
         fp16: bool = typer.Option(False, "--fp16", help="fp16 weights/activations; softmax, LayerNorm, reductions in fp32."),
         sets: List[str] = typer.Option([], "--set", help="Config option key=value (repeatable); see `attnx variants`."),
-        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="safetensors weights to load."),
-        layers: Optional[int] = typer.Option(None, "--layers", help="Number of encoder layers (default 2)."),
+        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="safetensors weights to load (with "
+                                                  "--from-pretrained: the placed variant's trained parameters)."),
+        layers: Optional[int] = typer.Option(None, "--layers", help="Number of encoder layers (default 2; not with "
+                                             "--from-pretrained)."),
         opset: int = typer.Option(23, "--opset", help="ONNX opset (default 23: plain attention is one Attention op)."),
         seed: int = typer.Option(0, "--seed", help="Seed for the initial weights."),
         batch: Optional[str] = typer.Option(None, "--batch", help="Batch profile min,opt,max for engines (default 1,8,32)."),
-        seq: Optional[str] = typer.Option(None, "--seq", help="Sequence profile min,opt,max (default 1,128,512)."),
+        seq: Optional[str] = typer.Option(None, "--seq", help="Sequence profile min,opt,max (default 1,128,512; "
+                                          "pretrained: up to the model's max length)."),
     ) -> None:
-        """Export a variant's encoder stack to ONNX (custom ops in domain attnx)."""
+        """Export a variant to ONNX (custom ops in domain attnx): attnx's own encoder stack, or a real
+        pretrained model with the variant placed in it (--from-pretrained)."""
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         from attnx.contract import DEFAULT_PROFILES, parse_profile
@@ -71,24 +95,50 @@ def register(app: typer.Typer) -> None:
 
         if lowering not in LOWERINGS:
             raise UserError(f"--lowering {lowering!r}: valid: {', '.join(LOWERINGS)}")
-        overrides = parse_sets(variant, sets)
-        if layers is not None and layers < 1:
-            raise UserError(f"--layers must be >= 1, got {layers}")
-        profiles = dict(DEFAULT_PROFILES)
+        if variant is None and pretrained is None:
+            raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
+        variant = variant or "mha"
+        if output is not None and output.suffix.lower() != ".onnx":
+            raise UserError(f"-o {output}: the output must be a .onnx file (the weights and tokenizer are written "
+                            "beside it)")
+        if pretrained is None and (layers_replaced is not None or append is not None):
+            raise UserError("--layers-replaced and --append place a variant in a pretrained model: add --from-pretrained")
+        if pretrained is not None and layers is not None:
+            raise UserError("--layers sets the size of attnx's own encoder; with --from-pretrained use --layers-replaced")
+        profiles = None if pretrained is not None and batch is None and seq is None else dict(DEFAULT_PROFILES)
         for axis, text in (("batch", batch), ("seq", seq)):
             if text is not None:
                 profiles[axis] = parse_profile(text, f"--{axis}")
-        path = output or default_path(variant, lowering, fp16, workdir())
+        label = f"{pretrained.name} + {variant}" if pretrained is not None else variant
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=False) as progress:
-            task = progress.add_task(f"export {variant}", total=len(STEPS))
+            task = progress.add_task(f"export {label}", total=len(STEPS))
 
             def step(name: str) -> None:
-                progress.update(task, description=f"export {variant}: {name}", completed=STEPS.index(name))
+                progress.update(task, description=f"export {label}: {name}", completed=STEPS.index(name))
 
-            result = export_variant(variant, path, overrides=overrides, n_layers=layers, lowering=lowering, fp16=fp16,
-                                    checkpoint=checkpoint, opset=opset, seed=seed, profiles=profiles, progress=step)
-            progress.update(task, description=f"export {variant}: done", completed=len(STEPS))
+            if pretrained is not None:
+                from attnx.export.pretrained import export_pretrained
+                from attnx.models.spec import get_spec
+
+                options = parse_sets(variant, sets)
+                shared = {"d_model", "n_heads", "dropout", "is_causal", "qkv_bias"}
+                bad = sorted(set(options) - set(get_spec(variant).options()) | (set(options) & shared))
+                if bad:
+                    raise UserError(f"--set {bad[0]}: with --from-pretrained only the variant's own options can be "
+                                    "set (sizes come from the model's config.json)")
+                result = export_pretrained(pretrained, output, variant=variant, layers=parse_layers(layers_replaced),
+                                           append=append, options=options, checkpoint=checkpoint, lowering=lowering,
+                                           fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step)
+            else:
+                if layers is not None and layers < 1:
+                    raise UserError(f"--layers must be >= 1, got {layers}")
+                overrides = parse_sets(variant, sets)
+                path = output or default_path(variant, lowering, fp16, workdir())
+                result = export_variant(variant, path, overrides=overrides, n_layers=layers, lowering=lowering,
+                                        fp16=fp16, checkpoint=checkpoint, opset=opset, seed=seed, profiles=profiles,
+                                        progress=step)
+            progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "
                       f"{sum(p.numel() for p in result.model.parameters()):,} parameters)", highlight=False)

@@ -20,6 +20,9 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"cannot read checkpoint {path}: {e}") from None
     own = model.state_dict()
+    for name, alias in _aliases(model).items():  # tied weights are stored once (save_checkpoint)
+        if name not in state and alias in state:
+            state[name] = state[alias]
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     mismatched = [f"{k} {list(state[k].shape)} (model expects {list(own[k].shape)})"
@@ -38,10 +41,27 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
 
 
 def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
+    """Every tensor of ``model.state_dict()``; a tied weight (one Parameter under two names) is stored once."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))
+    aliases = _aliases(model)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}, str(tmp))
+    tmp.replace(path)
     return path
+
+
+def _aliases(model: nn.Module) -> dict[str, str]:
+    """``{name: first name}`` for state_dict entries that are the same tensor as an earlier entry."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        key = (value.data_ptr(), tuple(value.shape), value.dtype)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
 

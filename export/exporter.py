@@ -199,8 +199,9 @@ def default_path(variant: str, lowering: str = "plugin", fp16: bool = False, fol
 
 def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: bool = False,
                    opset: int = ONNX_OPSET, profiles: dict | None = None, save_weights: bool = True,
-                   progress: Callable[[str], None] | None = None) -> ExportResult:
-    """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``."""
+                   progress: Callable[[str], None] | None = None, tokenizer: dict | None = None) -> ExportResult:
+    """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``
+    (``tokenizer``: the text metadata of a model whose tokenizer files travel beside it)."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
     max_opset = onnx.defs.onnx_opset_version()
@@ -218,7 +219,8 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
 
     step("trace")
     feeds = example_inputs(model)
-    dims = {"batch": torch.export.Dim("batch", min=1, max=4096), "seq": torch.export.Dim("seq", min=1, max=65536)}
+    seq_max = int(getattr(model, "max_seq", 65536))  # a model with position embeddings has a limit
+    dims = {"batch": torch.export.Dim("batch", min=1, max=4096), "seq": torch.export.Dim("seq", min=1, max=seq_max)}
     dynamic_shapes = tuple({i: dims[d] for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs)
     wrapper = _Positional(model, input_names, output_names)
     args = tuple(feeds[n] for n in input_names)
@@ -249,7 +251,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
                      precision="fp16" if fp16 else "fp32", inputs=_entries(proto.graph.input, specs),
                      outputs=_entries(proto.graph.output, specs), profiles={k: list(v) for k, v in profiles.items()},
                      version=attnx.__version__, weights=weights_path.name if weights_path else None,
-                     extra=dict(getattr(model, "metadata_extra", lambda: {})()))
+                     tokenizer=tokenizer)
     info.write(proto)
 
     step("check")

@@ -28,13 +28,14 @@ from attnx.models.spec import ExtraOutput, VariantSpec
 
 
 class FeedForward(nn.Module):
-    """Linear -> GELU -> Linear, ``mult`` x wide."""
+    """Linear -> GELU -> Linear, ``mult`` x wide (or ``d_ff`` wide)."""
 
-    def __init__(self, d_model: int, mult: int = 4, activation: str = "gelu"):
+    def __init__(self, d_model: int, mult: int = 4, activation: str = "gelu", d_ff: int | None = None):
         super().__init__()
         check_choice("activation", activation, ("gelu", "gelu_tanh"))
-        self.fc_in = nn.Linear(d_model, mult * d_model)
-        self.fc_out = nn.Linear(mult * d_model, d_model)
+        d_ff = d_ff or mult * d_model
+        self.fc_in = nn.Linear(d_model, d_ff)
+        self.fc_out = nn.Linear(d_ff, d_model)
         self.approximate = "tanh" if activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

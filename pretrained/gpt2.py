@@ -1,6 +1,7 @@
-"""GPT-2-architecture checkpoints (local Hugging Face folders) on attnx's own blocks.
+"""GPT-2-architecture checkpoints (local Hugging Face folders) on attnx's blocks, with a variant placed in them.
 
     lm = load_gpt2("path/to/gpt2")                 # config.json + model.safetensors [+ tokenizer.json]
+    lm = load_gpt2("path/to/gpt2", Placement("smal", layers=(0, 5)))   # smal in layers 0 and 5
     ids = lm.encode("The cat sat on the mat")      # [1, L] int64
     logits = lm(ids)                               # [1, L, vocab], same as transformers' GPT2LMHeadModel
     _, cache = lm.run_with_cache(ids)
@@ -9,7 +10,10 @@
 The model is GPT-2 rebuilt from attnx pieces::
 
     x = wte(ids) + wpe(arange(L))                  # hook_embed, hook_pos_embed
-    x = Encoder(x, mask)                           # pre-LN mha Blocks, is_causal=True, gelu_tanh, ln_f
+    x = Block_i(x, mask)                           # attnx's pre-LN Blocks, causal, gelu_tanh (a placed variant's
+                                                   # attention where placed)
+    x = ln_f(x)                                    # last_hidden_state
+    x = x + Attn_j(LN_j(x))                        # appended layers, if any
     logits = x @ wte.weight^T                      # tied LM head (unless the config unties it)
 
 Weight mapping (GPT-2's ``Conv1D`` computes ``x @ W + b`` with ``W`` ``[in, out]``, so every
@@ -19,7 +23,7 @@ matrix is transposed into ``nn.Linear``'s ``[out, in]``)::
     h.{i}.attn.c_attn  [d, 3d]        -> split on out into q, k, v -> blocks.{i}.attn.W_Q / W_K / W_V
     h.{i}.attn.c_proj  [d, d]         -> blocks.{i}.attn.W_O
     h.{i}.mlp.c_fc / c_proj           -> blocks.{i}.mlp.fc_in / fc_out
-    ln_f, wte, wpe                    -> encoder.ln_f, wte, wpe
+    ln_f, wte, wpe                    -> ln_f, wte, wpe
 
 Checkpoint names may carry a ``transformer.`` prefix (``save_pretrained`` of
 GPT2LMHeadModel) or not (the original ``gpt2`` checkpoints); the old causal-mask
@@ -41,54 +45,110 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from attnx.interp.hooks import HookPoint, Hooked, name_hook_points
-from attnx.models.build import build_encoder
-from attnx.models.encoder import Encoder
+from attnx.contract import Role
+from attnx.interp.hooks import HookPoint, name_hook_points
+from attnx.models.encoder import Block, EncoderConfig
+from attnx.models.signature import InputSpec, OutputSpec
+from attnx.models.spec import get_spec
+from attnx.pretrained.host import AppendedBlock, Host, Placement, attention_config, make_neutral
 
 # activation_function in config.json -> our FeedForward's activation
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
-class GPT2LM(Hooked, nn.Module):
-    """GPT-2 language model: embeddings + attnx :class:`Encoder` + (tied) LM head."""
+class GPT2LM(Host):
+    """GPT-2 language model: embeddings, attnx pre-LN blocks, ln_f, appended layers, (tied) LM head."""
 
-    def __init__(self, encoder: Encoder, vocab_size: int, n_positions: int, tie_word_embeddings: bool = True,
-                 tokenizer=None, config: dict | None = None):
-        super().__init__()
-        d = encoder.d_model
-        self.config = dict(config or {})
-        self.n_positions = n_positions
-        self.wte = nn.Embedding(vocab_size, d)
-        self.wpe = nn.Embedding(n_positions, d)
-        self.encoder = encoder
-        self.lm_head = nn.Linear(d, vocab_size, bias=False)
-        if tie_word_embeddings:
+    kind = "gpt2"
+
+    def __init__(self, hf_config: dict, placement: Placement | None = None, tokenizer=None,
+                 source: str | None = None):
+        placement = placement or Placement()
+        super().__init__(_check_config(hf_config, source or "config.json"), placement, source)
+        spec = placement.check()
+        cfg = self.hf_config
+        n_layer, d, n_head = int(cfg["n_layer"]), int(cfg["n_embd"]), int(cfg["n_head"])
+        vocab, self.n_positions = int(cfg["vocab_size"]), int(cfg["n_positions"])
+        enc = EncoderConfig(n_layers=n_layer, ffn_mult=(cfg.get("n_inner") or 4 * d) // d,
+                            activation=_ACTIVATIONS[cfg.get("activation_function", "gelu_new")],
+                            ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)))
+        mha, replaced = get_spec("mha"), set(placement.replaced(n_layer))
+        blocks = []
+        for i in range(n_layer):
+            block_spec = spec if i in replaced else mha
+            attn_cfg = attention_config(block_spec, d, n_head, placement.options if i in replaced else {},
+                                        is_causal=True)
+            fusion = block_spec.fusion(attn_cfg) if block_spec.fusion is not None else None
+            blocks.append(Block(block_spec, block_spec.attention(attn_cfg), enc, fusion))
+        for _ in range(placement.append):
+            attn = spec.attention(attention_config(spec, d, n_head, placement.options, is_causal=True))
+            blocks.append(AppendedBlock(spec, attn, enc.ln_eps))
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(self.n_positions, d)
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(d, eps=enc.ln_eps)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if bool(cfg.get("tie_word_embeddings", True)):
             self.lm_head.weight = self.wte.weight  # one Parameter, as in GPT-2
         self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
-        name_hook_points(self, strip="encoder.")  # blocks.{i}..., hook_embed: the TransformerLens names
+        self.n_layers, self.d_model, self.vocab_size = n_layer, d, vocab
+        self.replaced = sorted(replaced)
         self.tokenizer = tokenizer  # a `tokenizers.Tokenizer` or None
+        name_hook_points(self)
+
+    @property
+    def max_seq(self) -> int:
+        return self.n_positions
 
     @property
     def tied(self) -> bool:
         return self.lm_head.weight is self.wte.weight
 
-    @property
-    def blocks(self):
-        return self.encoder.blocks
+    # ---- the export signature ----------------------------------------------------------------
+    def base_input_specs(self) -> list[InputSpec]:
+        return [InputSpec("input_ids", ("batch", "seq"), "int64", Role.INPUT_IDS, "token ids",
+                          range=(0, self.vocab_size)),
+                InputSpec("attention_mask", ("batch", "seq"), "mask", Role.ATTENTION_MASK, "1 = token, 0 = padding")]
 
+    def base_output_specs(self) -> list[OutputSpec]:
+        return [OutputSpec("logits", ("batch", "seq", self.vocab_size), "float", Role.OUTPUT, "next-token logits")]
+
+    def run(self, inputs, head_mask, context):
+        return {"logits": self._logits(inputs["input_ids"], inputs.get("attention_mask"), None, head_mask, context)}
+
+    def metadata_extra(self) -> dict:
+        return {"max_length": self.n_positions}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "GPT2LM":
+        return cls(config["hf_config"], Placement.from_dict(config.get("placement")), source=config.get("source"))
+
+    # ---- forward -----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, **context) -> torch.Tensor:
         """input_ids ``[B, L]`` (int), attention_mask ``[B, L]`` (1 = token) -> logits ``[B, L, vocab]``."""
+        return self._logits(input_ids, attention_mask, position_ids, None, context)
+
+    def _logits(self, input_ids, attention_mask, position_ids, head_mask, context) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids: expected an int64 tensor [batch, seq], got {input_ids.dtype} "
                              f"{list(input_ids.shape)}")
         b, l = input_ids.shape
-        if l > self.n_positions:
-            raise ValueError(f"input_ids: sequence length {l} exceeds the model's n_positions={self.n_positions}")
+        if not torch.compiler.is_exporting():
+            if l > self.n_positions:
+                raise ValueError(f"input_ids: sequence length {l} exceeds the model's n_positions={self.n_positions}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+                raise ValueError(f"input_ids: ids must be in [0, {self.vocab_size}), got range "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         if position_ids is None:
             position_ids = torch.arange(l, device=input_ids.device)[None]  # [1, L]
         x = self.hook_embed(self.wte(input_ids)) + self.hook_pos_embed(self.wpe(position_ids).expand(b, l, -1))
-        x = self.encoder(x, attention_mask)  # [B, L, D], ln_f applied
+        for i, block in enumerate(self.blocks):
+            if i == self.n_layers:
+                x = self.ln_f(x)
+            x = block(x, attention_mask, None if head_mask is None else head_mask[i], **context)
+        if len(self.blocks) == self.n_layers:
+            x = self.ln_f(x)
         return self.lm_head(x)  # [B, L, V]
 
     # ---- text ---------------------------------------------------------------------------------
@@ -130,43 +190,23 @@ class GPT2LM(Hooked, nn.Module):
 # --------------------------------------------------------------------------- loading
 
 
-def _read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face GPT-2 folder with "
-                                "config.json and model.safetensors)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if cfg.get("model_type") != "gpt2":
-        raise ValueError(f"{path}: model_type is {cfg.get('model_type')!r}, expected 'gpt2' "
-                         "(only GPT-2-architecture checkpoints are supported)")
+def _check_config(cfg: dict, where) -> dict:
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{where}: model_type is {cfg.get('model_type')!r}, expected 'gpt2'")
     if cfg.get("add_cross_attention"):
-        raise ValueError(f"{path}: add_cross_attention=True (encoder-decoder GPT-2) is not supported")
+        raise ValueError(f"{where}: add_cross_attention=True (encoder-decoder GPT-2) is not supported")
     act = cfg.get("activation_function", "gelu_new")
     if act not in _ACTIVATIONS:
-        raise ValueError(f"{path}: activation_function {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+        raise ValueError(f"{where}: activation_function {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+    try:
+        d, n_inner = int(cfg["n_embd"]), cfg.get("n_inner")
+        for key in ("n_layer", "n_head", "vocab_size", "n_positions"):
+            int(cfg[key])
+    except KeyError as e:
+        raise ValueError(f"{where}: missing GPT-2 field {e.args[0]!r}") from None
+    if (n_inner or 4 * d) % d:
+        raise ValueError(f"{where}: n_inner={n_inner} is not a multiple of n_embd={d}")
     return cfg
-
-
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        return load_file(str(single))
-    if index.is_file():  # sharded checkpoint
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            if not (folder / shard).is_file():
-                raise FileNotFoundError(f"{folder}: shard {shard} listed in {index.name} is missing")
-            tensors.update(load_file(str(folder / shard)))
-        return tensors
-    found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-    raise FileNotFoundError(f"{folder}: no model.safetensors (found: {found}); "
-                            "convert .bin checkpoints with save_pretrained(..., safe_serialization=True)")
 
 
 def _strip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -181,12 +221,12 @@ def _strip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _convert(hf: dict[str, torch.Tensor], cfg: dict, n_layer: int, d: int, n_head: int) -> dict[str, torch.Tensor]:
-    """HF GPT-2 names/layouts -> our GPT2LM state_dict (KeyError on a missing name)."""
+    """HF GPT-2 names/layouts -> the host's state_dict (KeyError on a missing name)."""
     dh = d // n_head
     sd = {"wte.weight": hf.pop("wte.weight"), "wpe.weight": hf.pop("wpe.weight"),
-          "encoder.ln_f.weight": hf.pop("ln_f.weight"), "encoder.ln_f.bias": hf.pop("ln_f.bias")}
+          "ln_f.weight": hf.pop("ln_f.weight"), "ln_f.bias": hf.pop("ln_f.bias")}
     for i in range(n_layer):
-        src, dst = f"h.{i}.", f"encoder.blocks.{i}."
+        src, dst = f"h.{i}.", f"blocks.{i}."
         for a, b in (("ln_1", "ln1"), ("ln_2", "ln2")):
             sd[f"{dst}{b}.weight"] = hf.pop(f"{src}{a}.weight")
             sd[f"{dst}{b}.bias"] = hf.pop(f"{src}{a}.bias")
@@ -211,57 +251,43 @@ def _convert(hf: dict[str, torch.Tensor], cfg: dict, n_layer: int, d: int, n_hea
     return sd
 
 
-def load_gpt2(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2LM:
-    """Load a local GPT-2 folder (``config.json`` + ``model.safetensors``, optional
-    ``tokenizer.json``) into a :class:`GPT2LM` (eval mode, ``dtype``).
+def load_gpt2(path, placement: Placement | None = None, *, dtype: torch.dtype = torch.float32) -> GPT2LM:
+    """Load a local GPT-2 folder (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``,
+    optional ``tokenizer.json``) into a :class:`GPT2LM` (eval mode, ``dtype``), with ``placement``.
 
     Errors: FileNotFoundError for a missing folder/file; ValueError for a config that is
     not ``model_type: gpt2`` or an unsupported option, and for tensors whose names or
     shapes do not match the config (naming them).
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"GPT-2 checkpoint folder not found: {folder}")
-    cfg = _read_config(folder)
-    try:
-        n_layer, d, n_head = int(cfg["n_layer"]), int(cfg["n_embd"]), int(cfg["n_head"])
-        vocab, n_pos = int(cfg["vocab_size"]), int(cfg["n_positions"])
-    except KeyError as e:
-        raise ValueError(f"{folder / 'config.json'}: missing GPT-2 field {e.args[0]!r}") from None
-    n_inner = cfg.get("n_inner") or 4 * d
-    if n_inner % d:
-        raise ValueError(f"{folder / 'config.json'}: n_inner={n_inner} is not a multiple of n_embd={d}")
-    tie = bool(cfg.get("tie_word_embeddings", True))
+    from attnx.pretrained.folder import read_folder
 
-    raw = _strip(_read_tensors(folder))
+    folder = path if hasattr(path, "config") else read_folder(path)
+    cfg = _check_config(folder.config, folder.path / "config.json")
+    model = GPT2LM(cfg, placement, tokenizer=_load_tokenizer(folder.path), source=str(folder.path.resolve()))
+    n_layer, d, n_head = model.n_layers, model.d_model, int(cfg["n_head"])
+    raw = _strip(folder.state_dict())
     try:
         sd = _convert(dict(raw), cfg, n_layer, d, n_head)
     except KeyError as e:
-        raise ValueError(f"{folder}: checkpoint lacks tensor {e.args[0]!r} (config: n_layer={n_layer}); "
+        raise ValueError(f"{folder.path}: checkpoint lacks tensor {e.args[0]!r} (config: n_layer={n_layer}); "
                          f"it has e.g. {', '.join(sorted(raw)[:8])}") from None
-    if not tie and "lm_head.weight" not in sd:
-        raise ValueError(f"{folder}: tie_word_embeddings=false but the checkpoint has no lm_head.weight")
-    if tie:  # the head is wte (a stored lm_head copy is ignored)
+    if not model.tied and "lm_head.weight" not in sd:
+        raise ValueError(f"{folder.path}: tie_word_embeddings=false but the checkpoint has no lm_head.weight")
+    if model.tied:  # the head is wte (a stored lm_head copy is ignored)
         sd["lm_head.weight"] = sd["wte.weight"]
     leftover = sorted(set(raw) - _used_names(n_layer))
     if leftover:
-        raise ValueError(f"{folder}: unexpected tensor(s) for a {n_layer}-layer GPT-2: {', '.join(leftover[:8])}"
+        raise ValueError(f"{folder.path}: unexpected tensor(s) for a {n_layer}-layer GPT-2: {', '.join(leftover[:8])}"
                          + (" ..." if len(leftover) > 8 else ""))
-
-    activation = _ACTIVATIONS[cfg.get("activation_function", "gelu_new")]
-    encoder = build_encoder("mha", seed=None, n_layers=n_layer, d_model=d, n_heads=n_head, is_causal=True,
-                            qkv_bias=True, dropout=0.0, activation=activation, ffn_mult=n_inner // d,
-                            ln_eps=float(cfg.get("layer_norm_epsilon", 1e-5)), final_norm=True)
-    model = GPT2LM(encoder, vocab, n_pos, tie_word_embeddings=tie, tokenizer=_load_tokenizer(folder), config=cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    bad = [f"{k}: checkpoint {list(sd[k].shape)} vs model {list(expected[k])}" for k in expected
-           if k in sd and sd[k].shape != expected[k]]
+    expected = model.state_dict()
+    bad = [f"{k}: checkpoint {list(sd[k].shape)} vs model {list(expected[k].shape)}" for k in expected
+           if k in sd and sd[k].shape != expected[k].shape]
     if bad:
-        raise ValueError(f"{folder}: tensor shapes do not match config.json: " + "; ".join(bad[:6]))
-    missing = sorted(set(expected) - set(sd))
-    if missing:
-        raise ValueError(f"{folder}: checkpoint lacks {', '.join(missing[:8])}")
-    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=True)
+        raise ValueError(f"{folder.path}: tensor shapes do not match config.json: " + "; ".join(bad[:6]))
+    model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()}, strict=False)
+    model.pretrained_names = set(sd)
+    for i in model.replaced:
+        make_neutral(model.blocks[i].spec, model.blocks[i].attn, model.blocks[i].fusion)
     return model.to(dtype).eval()
 
 
