@@ -85,6 +85,10 @@ def register(app: typer.Typer) -> None:
         batch: Optional[str] = typer.Option(None, "--batch", help="Batch profile min,opt,max for engines (default 1,8,32)."),
         seq: Optional[str] = typer.Option(None, "--seq", help="Sequence profile min,opt,max (default 1,128,512; "
                                           "pretrained: up to the model's max length)."),
+        attention_outputs: Optional[str] = typer.Option(None, "--attention-outputs", help="Add outputs "
+                                                        "attentions.{i} [batch, heads, seq, seq]: all | 0,3,5."),
+        head_mask: bool = typer.Option(False, "--head-mask", help="Add an input head_mask [layers, heads] "
+                                       "(1 = keep, 0 = ablate a head)."),
     ) -> None:
         """Export a variant to ONNX (custom ops in domain attnx): attnx's own encoder stack, or a real
         pretrained model with the variant placed in it (--from-pretrained)."""
@@ -129,7 +133,8 @@ def register(app: typer.Typer) -> None:
                                     "set (sizes come from the model's config.json)")
                 result = export_pretrained(pretrained, output, variant=variant, layers=parse_layers(layers_replaced),
                                            append=append, options=options, checkpoint=checkpoint, lowering=lowering,
-                                           fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step)
+                                           fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step,
+                                           attention_outputs=attention_outputs, head_mask=head_mask)
             else:
                 if layers is not None and layers < 1:
                     raise UserError(f"--layers must be >= 1, got {layers}")
@@ -137,7 +142,7 @@ def register(app: typer.Typer) -> None:
                 path = output or default_path(variant, lowering, fp16, workdir())
                 result = export_variant(variant, path, overrides=overrides, n_layers=layers, lowering=lowering,
                                         fp16=fp16, checkpoint=checkpoint, opset=opset, seed=seed, profiles=profiles,
-                                        progress=step)
+                                        progress=step, attention_outputs=attention_outputs, head_mask=head_mask)
             progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "

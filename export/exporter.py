@@ -31,6 +31,7 @@ import torch
 import attnx
 from attnx.contract import DEFAULT_PROFILES, IR_VERSION, MIN_OPSET, ONNX_OPSET, ModelInfo, TensorEntry, check_profiles
 from attnx.export import ops
+from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
 from attnx.export.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import to_fp16
 from attnx.models.attention import attention_path
@@ -68,6 +69,8 @@ def example_inputs(model, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[s
     for spec in model.input_specs():
         if spec.role == "attention_mask":
             feeds[spec.name][-1, max(1, seq - seq // 3):] = 0
+        elif spec.role == "head_mask":
+            feeds[spec.name] = torch.ones_like(feeds[spec.name])
     return feeds
 
 
@@ -199,9 +202,13 @@ def default_path(variant: str, lowering: str = "plugin", fp16: bool = False, fol
 
 def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: bool = False,
                    opset: int = ONNX_OPSET, profiles: dict | None = None, save_weights: bool = True,
-                   progress: Callable[[str], None] | None = None, tokenizer: dict | None = None) -> ExportResult:
-    """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``
-    (``tokenizer``: the text metadata of a model whose tokenizer files travel beside it)."""
+                   progress: Callable[[str], None] | None = None, tokenizer: dict | None = None,
+                   attention_outputs=None, head_mask: bool = False) -> ExportResult:
+    """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``.
+
+    ``tokenizer``: the text metadata of a model whose tokenizer files travel beside it.
+    ``attention_outputs`` (``"all"`` or layer indices) adds outputs ``attentions.{i}``, ``head_mask``
+    an input ``head_mask [n_layers, heads]`` (:mod:`attnx.export.attention_outputs`)."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
     max_opset = onnx.defs.onnx_opset_version()
@@ -213,6 +220,10 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
         raise ValueError(f"the output must be a .onnx file, got {path.name}")
     step = progress or (lambda name: None)
     model = model.eval()
+    reference_model = model
+    if attention_outputs is not None or head_mask:
+        layers = [] if attention_outputs is None else parse_layers(attention_outputs, len(model.blocks))
+        model = WithAttentionOutputs(model, layers, head_mask)
     ops.register_schemas()
     inputs, outputs = model.input_specs(), model.output_specs()
     input_names, output_names = [s.name for s in inputs], [s.name for s in outputs]
@@ -264,14 +275,15 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     if large:
         _check(proto, path_for_large=path)
     if weights_path is not None:
-        save_checkpoint(model, weights_path)
+        save_checkpoint(reference_model, weights_path)
     return ExportResult(path=path, model=model, info=info, weights_path=weights_path, steps=list(STEPS))
 
 
 def export_variant(variant: str, path: str | Path | None = None, *, overrides: dict | None = None,
                    n_layers: int | None = None, lowering: str = "plugin", fp16: bool = False,
                    checkpoint: str | Path | None = None, opset: int = ONNX_OPSET, seed: int = 0,
-                   profiles: dict | None = None, progress: Callable[[str], None] | None = None) -> ExportResult:
+                   profiles: dict | None = None, progress: Callable[[str], None] | None = None,
+                   attention_outputs=None, head_mask: bool = False) -> ExportResult:
     """Build ``variant`` (small default config + ``overrides``, seeded weights or ``checkpoint``) and export it."""
     options = {**DEFAULT_OPTIONS, **(overrides or {})}
     if n_layers is not None:
@@ -281,4 +293,4 @@ def export_variant(variant: str, path: str | Path | None = None, *, overrides: d
         load_checkpoint(model, checkpoint)
     path = Path(path) if path is not None else default_path(variant, lowering, fp16)
     return export_encoder(model, path, lowering=lowering, fp16=fp16, opset=opset, profiles=profiles,
-                          progress=progress)
+                          progress=progress, attention_outputs=attention_outputs, head_mask=head_mask)

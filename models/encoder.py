@@ -179,9 +179,10 @@ class Encoder(Hooked, nn.Module):
 
     def forward_named(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The export/serving signature: inputs and outputs by name (:meth:`input_specs`, :meth:`output_specs`)."""
-        context = {k: v for k, v in inputs.items() if k not in ("hidden_states", "attention_mask")}
+        context = {k: v for k, v in inputs.items() if k not in ("hidden_states", "attention_mask", "head_mask")}
         extras = bool(self.extra_outputs())
-        result = self(inputs["hidden_states"], inputs.get("attention_mask"), return_extras=extras, **context)
+        result = self(inputs["hidden_states"], inputs.get("attention_mask"), head_mask=inputs.get("head_mask"),
+                      return_extras=extras, **context)
         out, found = (result if extras else (result, {}))
         return {"output": out, **found}
 
