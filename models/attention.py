@@ -90,7 +90,9 @@ class AttentionConfig:
 
 def mask_bias(attention_mask: torch.Tensor | None, lq: int, lk: int, dtype: torch.dtype,
               is_causal: bool, device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Additive key bias ``[B|1, 1, Lq, Lk]`` (0 or dtype-min) and row validity ``[B|1, 1, Lq, 1]``.
+    """Additive key bias (0 or dtype-min) and row validity: ``[B, 1, 1, Lk]`` and ``[B, 1, 1, 1]`` for
+    key padding alone (O(L): attention broadcasts it over heads and query rows), ``[B|1, 1, Lq, Lk]``
+    and ``[B|1, 1, Lq, 1]`` for a causal model.
 
     The finite minimum (not -inf) keeps fully masked rows NaN-free in forward and
     backward; their pattern is then zeroed with the row validity, so padded keys
@@ -99,13 +101,13 @@ def mask_bias(attention_mask: torch.Tensor | None, lq: int, lk: int, dtype: torc
     """
     if attention_mask is None and not is_causal:
         return None, None
-    allowed = torch.ones(1, 1, lq, lk, dtype=torch.bool, device=device)
+    allowed = torch.ones(1, 1, lq if is_causal else 1, lk, dtype=torch.bool, device=device)
     if attention_mask is not None:
-        allowed = allowed & attention_mask.bool()[:, None, None, :]  # [B, 1, Lq, Lk]
+        allowed = allowed & attention_mask.bool()[:, None, None, :]  # [B, 1, 1|Lq, Lk]
     if is_causal:
         allowed = allowed & torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    row_valid = allowed.any(dim=-1, keepdim=True)  # [B, 1, Lq, 1]
+    row_valid = allowed.any(dim=-1, keepdim=True)  # [B, 1, 1|Lq, 1]
     return bias, row_valid
 
 
@@ -235,8 +237,15 @@ class AttentionBase(nn.Module):
         return self.dropout(pattern) @ v
 
     def attend_fused(self, q, k, v, bias, row_valid, *, extra_bias=None, scale=None) -> torch.Tensor:
-        """Fused path (one ONNX ``Attention`` node): softmax(q k^T * scale + bias + extra_bias) v."""
+        """Fused path (one ONNX ``Attention`` node): softmax(q k^T * scale + bias + extra_bias) v.
+
+        Masks stay broadcast (``[B, 1, 1, Lk]``, a per-key bias ``[B, H, 1, Lk]``) in PyTorch. In an
+        exported graph the key-padding mask is expanded to ``[B, 1, Lq, Lk]`` (ONNX Runtime's
+        ``Attention`` refuses a broadcast query axis), never to ``[B, H, Lq, Lk]``: variants fold
+        per-key biases into q/k before they get here when exporting."""
         attn_mask = bias if extra_bias is None else (extra_bias if bias is None else _no_overflow(bias + extra_bias))
+        if attn_mask is not None and torch.compiler.is_exporting() and attn_mask.shape[-2] == 1:
+            attn_mask = attn_mask.expand(*attn_mask.shape[:-2], q.shape[-2], attn_mask.shape[-1])
         z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale if scale is None else scale,
                                            dropout_p=self.config.dropout if self.training else 0.0)
         return z if row_valid is None else z * row_valid.to(z.dtype)

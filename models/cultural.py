@@ -86,19 +86,19 @@ class CulturalAttention(AttentionBase):
         lam = self.lambda_(cultural)
         bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
 
-        if self.config.bias_mode == "key":
-            cultural_bias = lam * (k @ c_proj).transpose(-1, -2) * self.scale  # [B, H, 1, Lk]
-        elif torch.compiler.is_exporting():
-            cultural_bias = None  # constant over keys: softmax removes it, so the graph omits it
-        else:
-            cultural_bias = lam * (q @ c_proj)  # [B, H, Lq, 1], the seed's literal formula
-
+        key_mode = self.config.bias_mode == "key"
         if self.explicit:
             scores = q @ k.transpose(-1, -2) * self.scale
-            z = self.attend(scores if cultural_bias is None else scores + cultural_bias, v, bias, row_valid)
+            if key_mode:
+                scores = scores + lam * (k @ c_proj).transpose(-1, -2) * self.scale  # [B, H, 1, Lk] per key
+            elif not torch.compiler.is_exporting():
+                scores = scores + lam * (q @ c_proj)  # [B, H, Lq, 1], the seed's literal formula
+            z = self.attend(scores, v, bias, row_valid)
         else:
-            extra = None if cultural_bias is None else cultural_bias.expand(b, h, l, l)
-            z = self.attend_fused(q, k, v, bias, row_valid, extra_bias=extra)
+            # key: (q_i + lam c') . k_j s = q_i . k_j s + lam (k_j . c') s, the bias folded into the queries
+            # (no [B, H, L, L] term); query: constant over keys, so softmax removes it (the graph omits it).
+            q_eff = q + lam * c_proj.view(b, h, 1, dh) if key_mode else q
+            z = self.attend_fused(q_eff, k, v, bias, row_valid)
 
         if self.config.fusion == "gated":
             c_heads = c_proj.view(b, h, 1, dh).expand(b, h, l, dh)

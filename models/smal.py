@@ -156,10 +156,15 @@ class SelfModulatedAttention(AttentionBase):
             T_sym = T + T.transpose(-1, -2)
             eye = torch.eye(self.head_dim, dtype=q.dtype, device=q.device)
             M = T_sym if tta else eye * self.scale + gb * T_sym  # [B, 1|H, Dh, Dh]
-            kTk = ((k @ T) * k).sum(-1)[:, :, None, :]  # [B, H, 1, Lk]
+            kTk = ((k @ T) * k).sum(-1, keepdim=True)  # [B, H, Lk, 1]
             key_bias = -kTk if tta else -gb * kTk
-            z = self.attend_fused(q @ M, k, v, bias, row_valid, extra_bias=key_bias.expand(b, self.n_heads, l, l),
-                                  scale=1.0)
+            if torch.compiler.is_exporting():
+                # ONNX Runtime's Attention takes no broadcast per-key bias: fold it into one more q/k
+                # column, [q M, 1] . [k, bias] = q M k^T + bias (q/k head size Dh + 1, V's stays Dh).
+                q_aug = torch.cat([q @ M, torch.ones_like(q[..., :1])], dim=-1)
+                z = self.attend_fused(q_aug, torch.cat([k, key_bias], dim=-1), v, bias, row_valid, scale=1.0)
+            else:  # the per-key bias stays [B, H, 1, Lk], broadcast inside SDPA
+                z = self.attend_fused(q @ M, k, v, bias, row_valid, extra_bias=key_bias.transpose(-1, -2), scale=1.0)
         return self.output(z, head_mask)
 
 
