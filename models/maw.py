@@ -12,9 +12,10 @@ Depth ``d`` (``depth_dim``). Per head, learned depth projections ``U_q, U_k [H, 
 ``A5`` is never built: ``sum_t w_t A5[..., t] = s (q' * w) k'^T`` in training. At inference the
 selected depth's logits are rank one, ``A_ij = q'_i[t] k'_j[t] s``: attention with a query/key
 head size of 1 and the value head size unchanged. ``attnx::maw_depth_gather`` selects the depth
-columns ``q'[..., t]``, ``k'[..., t]`` and a fused attention does the rest, so no
-``[B, H, L, L]`` tensor is built (ONNX: the custom op ``MawDepthGather`` + the ``Attention`` op;
-TensorRT: the plugin + the builder's attention). :func:`maw_logits_5d` builds the literal 5-D
+columns ``q'[..., t]``, ``k'[..., t]`` and a fused attention does the rest (the columns zero-padded
+to the value head size, which TensorRT's attention requires), so no ``[B, H, L, L]`` tensor is
+built (ONNX: the custom op ``MawDepthGather`` + the ``Attention`` op; TensorRT: the plugin + the
+builder's attention). :func:`maw_logits_5d` builds the literal 5-D
 tensor for tests and benchmarks.
 
 GRPO (training only; never changes the forward output): for each example draw a group of ``G``
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnx.models.attention import AttentionBase, AttentionConfig, current_path, masked_mean, masked_softmax
+from attnx.models.attention import AttentionBase, AttentionConfig, masked_mean, masked_softmax
 from attnx.models.signature import check_choice
 from attnx.models.spec import CustomOp, ExtraOutput, Placement, VariantSpec, register
 
@@ -170,11 +171,10 @@ class MawAttention(AttentionBase):
             self.last_policy_logits = logits_pi.detach()
         if self.explicit:
             z = self.attend((q_sel * self.scale) @ k_sel.transpose(-1, -2), v, bias, row_valid)
-        elif torch.compiler.is_exporting() or current_path() == "plugin":
-            # One Attention node with a query/key head size of 1 (ONNX allows it to differ from V's).
-            z = self.attend_fused(q_sel, k_sel, v, bias, row_valid)
         else:
-            # torch's CPU SDPA leaves its fused kernel for head size 1; zero columns keep the logits.
+            # Attention over the selected columns with the scale of Dh. They are zero-padded to V's head
+            # size (exact: the zeros add nothing to q.k) because TensorRT's attention and torch's fused
+            # CPU kernel both want equal q/k/v head sizes.
             pad = (0, self.head_dim - 1)
             z = self.attend_fused(F.pad(q_sel, pad), F.pad(k_sel, pad), v, bias, row_valid)
         return self.output(z, head_mask)

@@ -160,9 +160,12 @@ class SelfModulatedAttention(AttentionBase):
             key_bias = -kTk if tta else -gb * kTk
             if torch.compiler.is_exporting():
                 # ONNX Runtime's Attention takes no broadcast per-key bias: fold it into one more q/k
-                # column, [q M, 1] . [k, bias] = q M k^T + bias (q/k head size Dh + 1, V's stays Dh).
+                # column, [q M, 1] . [k, bias] = q M k^T + bias; V gets a zero column too (TensorRT's
+                # attention wants equal head sizes), dropped from the result.
                 q_aug = torch.cat([q @ M, torch.ones_like(q[..., :1])], dim=-1)
-                z = self.attend_fused(q_aug, torch.cat([k, key_bias], dim=-1), v, bias, row_valid, scale=1.0)
+                k_aug = torch.cat([k, key_bias], dim=-1)
+                v_aug = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
+                z = self.attend_fused(q_aug, k_aug, v_aug, bias, row_valid, scale=1.0)[..., :-1]
             else:  # the per-key bias stays [B, H, 1, Lk], broadcast inside SDPA
                 z = self.attend_fused(q @ M, k, v, bias, row_valid, extra_bias=key_bias.transpose(-1, -2), scale=1.0)
         return self.output(z, head_mask)

@@ -34,7 +34,7 @@ def _dynamic_symbols(lib: Path, *, defined: bool) -> set[str]:
 def test_library_exports_registry_entry_points(plugin_lib):
     exported = _dynamic_symbols(plugin_lib, defined=True)
     # IPluginRegistry::loadLibrary needs both; the kernels' C ABI is for direct (ctypes) use.
-    for name in ("getCreators", "setLoggerFinder", "attnx_maw_depth_select", "attnx_tta_distance",
+    for name in ("getCreators", "setLoggerFinder", "attnx_maw_depth_select", "attnx_maw_depth_gather", "attnx_tta_distance",
                  "attnx_tta_distance_workspace_size", "attnx_kernels_abi_version", "attnx_plugins_errors"):
         assert name in exported, f"{name} not exported by {plugin_lib}"
     # Nothing else leaks (hidden visibility, static cudart not re-exported).
@@ -81,10 +81,12 @@ def test_cli_path_when_not_built(monkeypatch, tmp_path):
 
 
 def test_build_reports_missing_tools(monkeypatch, tmp_path):
-    monkeypatch.setattr(plugins, "find_nvcc", lambda: None)
+    from attnx.plugins import builder
+
+    monkeypatch.setattr(builder, "find_nvcc", lambda: None)
     with pytest.raises(plugins.PluginBuildError, match="nvcc"):
         plugins.build(build_dir=tmp_path / "b", output_dir=tmp_path / "l")
-    monkeypatch.setattr(plugins, "find_cmake", lambda: None)
+    monkeypatch.setattr(builder, "find_cmake", lambda: None)
     with pytest.raises(plugins.PluginBuildError, match="cmake not found"):
         plugins.build(build_dir=tmp_path / "b", output_dir=tmp_path / "l")
 
@@ -96,6 +98,29 @@ def test_build_rejects_bad_arguments(tmp_path):
         plugins.build(tensorrt_include=tmp_path, build_dir=tmp_path / "b", output_dir=tmp_path / "l")
     with pytest.raises(plugins.PluginBuildError, match="bad CUDA architecture"):
         plugins.build(archs=["hopper"], build_dir=tmp_path / "b", output_dir=tmp_path / "l")
+    # The kernels use mma.sync (sm_80+): older targets are refused at configure time, with the reason.
+    with pytest.raises(plugins.PluginBuildError, match="sm_75 is not supported"):
+        plugins.build(archs=["75"], build_dir=tmp_path / "b75", output_dir=tmp_path / "l75")
+
+
+def test_public_names_and_layout():
+    """`attnx.plugins` keeps its public names; the sources sit one folder per op beside common/."""
+    for name in plugins.__all__:
+        assert hasattr(plugins, name), name
+    assert callable(plugins.build) and callable(plugins.library_path) and callable(plugins.require_library)
+    src = plugins.source_dir()
+    for op in ("maw_depth_select", "maw_depth_gather", "tta_distance"):
+        names = {p.name for p in (src / op).iterdir()}
+        assert {f"{op}_kernel.h", f"{op}_plugin.h", f"{op}_plugin.cpp", f"{op}_kernel.cu"} <= names, names
+    for name in ("plugin_v3.h", "plugin_common.h", "logger.cpp", "entry_points.cpp", "attnx_kernels.h"):
+        assert (src / "common" / name).is_file(), name
+    assert not list(src.glob("*.cu")) and not list(src.glob("*.cpp"))  # nothing left flat
+
+
+def test_require_library_follows_the_package_hook(monkeypatch):
+    monkeypatch.setattr(plugins, "library_path", lambda: None)
+    with pytest.raises(FileNotFoundError, match="attnx plugins build"):
+        plugins.require_library()
 
 
 def test_cmake_explains_missing_headers(tmp_path):
@@ -218,8 +243,8 @@ int main() {
     setLoggerFinder(fake_logger_finder());
     int32_t n = 0;
     auto* const* creators = getCreators(n);
-    CHECK(n == 2);
-    IPluginCreatorV3One* maw = nullptr; IPluginCreatorV3One* tta = nullptr;
+    CHECK(n == 3);
+    IPluginCreatorV3One* maw = nullptr; IPluginCreatorV3One* tta = nullptr; IPluginCreatorV3One* gather = nullptr;
     for (int i = 0; i < n; ++i) {
         CHECK(std::strcmp(creators[i]->getInterfaceInfo().kind, "PLUGIN CREATOR_V3ONE") == 0);
         auto* c = static_cast<IPluginCreatorV3One*>(creators[i]);
@@ -227,8 +252,9 @@ int main() {
         CHECK(std::strcmp(c->getPluginNamespace(), "attnx") == 0);
         if (!std::strcmp(c->getPluginName(), "MawDepthSelect")) maw = c;
         if (!std::strcmp(c->getPluginName(), "TtaDistance")) tta = c;
+        if (!std::strcmp(c->getPluginName(), "MawDepthGather")) gather = c;
     }
-    if (!maw || !tta) { std::printf("FAIL: creators missing\n"); return 1; }
+    if (!maw || !tta || !gather) { std::printf("FAIL: creators missing\n"); return 1; }
 
     // MawDepthSelect: fields and the serialization round trip
     auto const* names = maw->getFieldNames();
@@ -321,7 +347,37 @@ int main() {
     CHECK(tb->configurePlugin(tio, 3, tio + 3, 1) != 0);
     CHECK(saw("head size differs: q[3] is 16 but k[3] is 8"));
 
-    delete p; delete restored; delete cl; delete attached; delete p64; delete t;
+    // MawDepthGather: no fields, three outputs (q_sel, k_sel: T; depth: int64), MawDepthSelect's shape rules
+    CHECK(gather->getFieldNames()->nbFields == 0);
+    IPluginV3* gp = gather->createPlugin("gather_node", &fc, TensorRTPhase::kBUILD);  // a stray field is ignored
+    CHECK(gp != nullptr);
+    if (!gp) return 1;
+    CHECK(!std::strcmp(cap<IPluginV3OneCore>(gp, PluginCapabilityType::kCORE)->getPluginName(), "MawDepthGather"));
+    CHECK(!std::strcmp(cap<IPluginV3OneCore>(gp, PluginCapabilityType::kCORE)->getPluginVersion(), "1"));
+    CHECK(cap<IPluginV3OneRuntime>(gp, PluginCapabilityType::kRUNTIME)->getFieldsToSerialize()->nbFields == 0);
+    auto* gb = cap<IPluginV3OneBuild>(gp, PluginCapabilityType::kBUILD);
+    CHECK(gb->getNbOutputs() == 3);
+    DataType out3[3];
+    CHECK(gb->getOutputDataTypes(out3, 3, half3, 3) == 0 && out3[0] == DataType::kHALF && out3[1] == DataType::kHALF
+          && out3[2] == DataType::kINT64);
+    CHECK(gb->getOutputDataTypes(out3, 2, half3, 3) != 0);
+    CHECK(saw("attnx::MawDepthGather node 'gather_node': expects 3 inputs (q_depth, k_depth, policy_logits) and 3 outputs (q_sel, k_sel, depth), got 3 and 2"));
+    CHECK(gb->getOutputDataTypes(out3, 3, int3, 3) != 0);
+    CHECK(saw("attnx::MawDepthGather node 'gather_node': input 'q_depth' is int32"));
+    DynamicPluginTensorDesc gio[6] = {desc(DataType::kFLOAT, dims({2, 4, 7, 5})), desc(DataType::kFLOAT, dims({2, 4, 9, 5})),
+        desc(DataType::kFLOAT, dims({2, 5})), desc(DataType::kFLOAT, dims({2, 4, 7, 1})), desc(DataType::kFLOAT, dims({2, 4, 9, 1})),
+        desc(DataType::kINT64, dims({2}))};
+    for (int pos = 0; pos < 6; ++pos) CHECK(gb->supportsFormatCombination(pos, gio, 3, 3));
+    gio[4].desc.type = DataType::kHALF; CHECK(!gb->supportsFormatCombination(4, gio, 3, 3)); gio[4].desc.type = DataType::kFLOAT;
+    gio[5].desc.type = DataType::kFLOAT; CHECK(!gb->supportsFormatCombination(5, gio, 3, 3)); gio[5].desc.type = DataType::kINT64;
+    CHECK(gb->configurePlugin(gio, 3, gio + 3, 3) == 0);
+    gio[1].max = dims({2, 4, 9, 6});
+    CHECK(gb->configurePlugin(gio, 3, gio + 3, 3) != 0);
+    CHECK(saw("attnx::MawDepthGather node 'gather_node': depth size differs: q_depth[3] is 5 but k_depth[3] is 6 (at the profile's max shapes)"));
+    IPluginV3* gc = gp->clone();
+    CHECK(gc && !std::strcmp(cap<IPluginV3OneCore>(gc, PluginCapabilityType::kCORE)->getPluginName(), "MawDepthGather"));
+
+    delete p; delete restored; delete cl; delete attached; delete p64; delete t; delete gp; delete gc;
     std::printf("%s (%d messages logged)\n", failures ? "FAILED" : "OK", fake_logger_count());
     return failures ? 1 : 0;
 }

@@ -1,5 +1,6 @@
-// Shared plumbing for the attnx TensorRT plugins: logging through the ILogger that TensorRT
-// hands over with setLoggerFinder, data-type and shape helpers, and a common IPluginV3 base.
+// Shared plumbing for the attnx TensorRT plugins: data-type and shape helpers, messages that
+// name the node, and PluginBase (identity and capabilities of an IPluginV3). The per-op
+// boilerplate built on it is the PluginV3 / PluginCreatorV3 template in plugin_v3.h.
 //
 // The plugins use TensorRT's interfaces only (no TensorRT library is linked) and never call
 // IPluginRegistry from inside the library: TensorRT-RTX's registry vtable differs from the
@@ -7,9 +8,12 @@
 #ifndef ATTNX_PLUGIN_COMMON_H
 #define ATTNX_PLUGIN_COMMON_H
 
+#include "common/logger.h"
+
 #include <NvInferRuntime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -27,10 +31,6 @@ namespace plugin
 constexpr char const* kPluginNamespace = "attnx";
 constexpr char const* kPluginVersion = "1";
 
-//! Log through TensorRT's logger (stderr when TensorRT gave none).
-void log(nvinfer1::ILogger::Severity severity, std::string const& message) noexcept;
-void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept;
-
 //! "float32", "float16", "int64", ... for messages.
 char const* dataTypeName(nvinfer1::DataType type) noexcept;
 //! fp32 / fp16 are the supported floating types.
@@ -39,8 +39,10 @@ bool isSupportedFloat(nvinfer1::DataType type) noexcept;
 int kernelDtype(nvinfer1::DataType type) noexcept;
 //! "[2, 4, -1, 8]".
 std::string dimsToString(nvinfer1::Dims const& dims);
+//! "attnx::<op> node '<node>': <message>", the form of every plugin message.
+std::string nodeMessage(char const* opName, std::string const& nodeName, std::string const& message);
 
-//! Common part of both plugins: identity, capabilities, messages that name the node.
+//! Identity, capabilities and node-named messages of one plugin instance.
 class PluginBase : public nvinfer1::IPluginV3,
                    public nvinfer1::IPluginV3OneCore,
                    public nvinfer1::IPluginV3OneBuild,
@@ -48,6 +50,9 @@ class PluginBase : public nvinfer1::IPluginV3,
 {
 public:
     PluginBase(char const* opName, std::string nodeName);
+    //! A copy (clone) starts with no type error logged yet.
+    PluginBase(PluginBase const& other);
+    PluginBase& operator=(PluginBase const&) = delete;
     ~PluginBase() override = default;
 
     // IPluginV3
@@ -73,8 +78,6 @@ public:
 protected:
     //! Log "attnx::<Op> node '<name>': <message>" as an error; returns -1 (a failure status).
     int32_t fail(std::string const& message) const noexcept;
-    //! Same message, for the bool-returning methods.
-    bool reject(std::string const& message) const noexcept;
     std::string const& nodeName() const noexcept
     {
         return mNodeName;
@@ -83,7 +86,8 @@ protected:
     //! Check all floating inputs have one supported type; message on failure.
     int32_t checkInputTypes(nvinfer1::DataType const* types, int32_t nbInputs, char const* const* inputNames) const noexcept;
 
-    //! supportsFormatCombination for "all tensors T (fp32|fp16), linear", except the listed int64 outputs.
+    //! supportsFormatCombination for "all tensors T (fp32|fp16), linear", except the outputs from
+    //! firstInt64Output on (-1: none), which are int64.
     bool supportsFloatAndInt64(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs, int32_t firstInt64Output, char const* const* ioNames) noexcept;
 
@@ -107,6 +111,15 @@ public:
     bool rank(char const* name, nvinfer1::Dims const& dims, int32_t rank);
     //! a == b when both known, else records "<what>: <aName> is <a> but <bName> is <b>".
     void same(char const* what, char const* aName, int64_t a, char const* bName, int64_t b);
+    //! One axis of one input, for sameDims.
+    struct Axis
+    {
+        int32_t input;
+        int32_t axis;
+    };
+    //! All the given axes agree (compared with the first, in order, each as `same`), named
+    //! "<names[input]>[<axis>]" in the message.
+    void sameDims(char const* what, nvinfer1::Dims const* dims, std::initializer_list<Axis> axes, char const* const* names);
     //! v in {1, other} when both known.
     void oneOr(char const* what, char const* vName, int64_t v, char const* otherName, int64_t other);
     //! v >= minimum when known.

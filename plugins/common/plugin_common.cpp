@@ -1,179 +1,15 @@
-// Shared plugin plumbing and the library's entry points for IPluginRegistry::loadLibrary.
-#include "plugin_common.h"
+// Shared plugin plumbing (plugin_common.h): type names, dims, shape checks, PluginBase.
+#include "common/plugin_common.h"
 
-#include "attnx_kernels.h"
-#include "maw_depth_select_plugin.h"
-#include "tta_distance_plugin.h"
+#include "common/kernel_abi.h"
 
-#include <cstdio>
-#include <cstring>
-#include <deque>
-#include <dlfcn.h>
-#include <mutex>
 #include <sstream>
+#include <utility>
 
 namespace attnx
 {
 namespace plugin
 {
-
-// TensorRT-RTX's logger interface, as its Python bindings' vtables show: IVersionedInterface
-// (getAPILanguage, getInterfaceInfo, destructors), then log. Only called after
-// getInterfaceInfo() reports kind "ILogger". (Not in an anonymous namespace: GCC would see
-// that nothing implements it and devirtualize the call into __cxa_pure_virtual.)
-class RtxLogger : public nvinfer1::IVersionedInterface
-{
-public:
-    virtual void log(nvinfer1::ILogger::Severity severity, char const* msg) noexcept = 0;
-
-protected:
-    ~RtxLogger() noexcept override = default;
-};
-
-namespace
-{
-
-// How to talk to the logger of the TensorRT library that loaded us.
-enum class LoggerAbi
-{
-    kUnresolved,
-    kHeader,    // TensorRT 10.x: ILogger as in the headers we compile against (log is the first virtual).
-    kVersioned, // TensorRT-RTX 1.x: v_1_0::ILogger derives from IVersionedInterface (see RtxLogger).
-    kNone,      // unknown library: stderr only
-};
-
-using GetLoggerFn = void* (*) ();
-using GetMajorFn = int32_t (*)();
-
-std::mutex gLoggerMutex;
-nvinfer1::ILoggerFinder* gLoggerFinder{nullptr};
-GetLoggerFn gGetLogger{nullptr};
-LoggerAbi gAbi{LoggerAbi::kUnresolved};
-
-constexpr size_t kMaxKeptErrors = 64;
-std::mutex gErrorsMutex;
-std::deque<std::string> gErrors;
-
-// Which TensorRT handed us the finder: the library holding the finder's vtable. Its exported
-// C functions getInferLibMajorVersion() and getLogger() are looked up there only (never by a
-// global symbol search). TensorRT-RTX 1.7's ILoggerFinder::findLogger always returns null, so
-// getLogger() (the logger of the current builder/runtime) is the fallback. Holds gLoggerMutex.
-void resolveLoggerAbi()
-{
-    if (gAbi != LoggerAbi::kUnresolved)
-    {
-        return;
-    }
-    gAbi = LoggerAbi::kNone;
-    if (gLoggerFinder == nullptr)
-    {
-        return;
-    }
-    Dl_info info{};
-    void const* vtable = *reinterpret_cast<void const* const*>(gLoggerFinder);
-    if (dladdr(vtable, &info) == 0 || info.dli_fname == nullptr)
-    {
-        return;
-    }
-    void* handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-    if (handle == nullptr)
-    {
-        return;
-    }
-    gGetLogger = reinterpret_cast<GetLoggerFn>(dlsym(handle, "getLogger"));
-    auto const getMajor = reinterpret_cast<GetMajorFn>(dlsym(handle, "getInferLibMajorVersion"));
-    std::string const path = info.dli_fname;
-    if (path.find("tensorrt_rtx") != std::string::npos)
-    {
-        gAbi = LoggerAbi::kVersioned;
-    }
-    else if (getMajor != nullptr && getMajor() == NV_TENSORRT_MAJOR)
-    {
-        gAbi = LoggerAbi::kHeader;
-    }
-}
-
-bool logThrough(void* logger, LoggerAbi abi, nvinfer1::ILogger::Severity severity, char const* msg)
-{
-    if (logger == nullptr)
-    {
-        return false;
-    }
-    if (abi == LoggerAbi::kHeader)
-    {
-        static_cast<nvinfer1::ILogger*>(logger)->log(severity, msg);
-        return true;
-    }
-    if (abi == LoggerAbi::kVersioned)
-    {
-        auto* versioned = static_cast<RtxLogger*>(logger);
-        nvinfer1::InterfaceInfo const iface = versioned->getInterfaceInfo();
-        if (iface.kind != nullptr && std::strcmp(iface.kind, "ILogger") == 0)
-        {
-            versioned->log(severity, msg);
-            return true;
-        }
-    }
-    return false;
-}
-
-void keepError(std::string const& message)
-{
-    std::lock_guard<std::mutex> lock(gErrorsMutex);
-    if (gErrors.size() >= kMaxKeptErrors)
-    {
-        gErrors.pop_front();
-    }
-    gErrors.push_back(message);
-}
-
-} // namespace
-
-void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
-{
-    std::lock_guard<std::mutex> lock(gLoggerMutex);
-    gLoggerFinder = finder;
-    gGetLogger = nullptr;
-    gAbi = LoggerAbi::kUnresolved;
-}
-
-void log(nvinfer1::ILogger::Severity severity, std::string const& message) noexcept
-{
-    bool const isError = severity <= nvinfer1::ILogger::Severity::kERROR;
-    bool logged{false};
-    try
-    {
-        if (isError)
-        {
-            keepError(message);
-        }
-        void* logger{nullptr};
-        LoggerAbi abi{LoggerAbi::kNone};
-        {
-            // Find the logger under the lock, call it outside (it may take the Python GIL).
-            std::lock_guard<std::mutex> lock(gLoggerMutex);
-            resolveLoggerAbi();
-            abi = gAbi;
-            if (abi != LoggerAbi::kNone)
-            {
-                logger = gLoggerFinder != nullptr ? static_cast<void*>(gLoggerFinder->findLogger()) : nullptr;
-                if (logger == nullptr && gGetLogger != nullptr)
-                {
-                    logger = gGetLogger();
-                }
-            }
-        }
-        logged = logThrough(logger, abi, severity, message.c_str());
-    }
-    catch (...)
-    {
-        logged = false;
-    }
-    if (!logged && severity <= nvinfer1::ILogger::Severity::kWARNING)
-    {
-        std::fprintf(stderr, "[attnx plugins] %s\n", message.c_str());
-    }
-}
 
 char const* dataTypeName(nvinfer1::DataType type) noexcept
 {
@@ -207,6 +43,12 @@ int kernelDtype(nvinfer1::DataType type) noexcept
     case nvinfer1::DataType::kHALF: return ATTNX_DTYPE_FP16;
     default: return -1;
     }
+}
+
+std::string nodeMessage(char const* opName, std::string const& nodeName, std::string const& message)
+{
+    std::string const node = nodeName.empty() ? std::string("<unnamed>") : nodeName;
+    return std::string(kPluginNamespace) + "::" + opName + " node '" + node + "': " + message;
 }
 
 std::string dimsToString(nvinfer1::Dims const& dims)
@@ -264,6 +106,17 @@ void ShapeChecker::same(char const* what, char const* aName, int64_t a, char con
     }
 }
 
+void ShapeChecker::sameDims(
+    char const* what, nvinfer1::Dims const* dims, std::initializer_list<Axis> axes, char const* const* names)
+{
+    auto const label = [&](Axis a) { return std::string(names[a.input]) + "[" + std::to_string(a.axis) + "]"; };
+    Axis const first = *axes.begin();
+    for (auto it = axes.begin() + 1; it != axes.end(); ++it)
+    {
+        same(what, label(first).c_str(), dims[first.input].d[first.axis], label(*it).c_str(), dims[it->input].d[it->axis]);
+    }
+}
+
 void ShapeChecker::oneOr(char const* what, char const* vName, int64_t v, char const* otherName, int64_t other)
 {
     if (v >= 0 && other >= 0 && v != 1 && v != other)
@@ -289,6 +142,12 @@ PluginBase::PluginBase(char const* opName, std::string nodeName)
 {
 }
 
+PluginBase::PluginBase(PluginBase const& other)
+    : mOpName(other.mOpName)
+    , mNodeName(other.mNodeName)
+{
+}
+
 nvinfer1::IPluginCapability* PluginBase::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept
 {
     switch (type)
@@ -309,20 +168,12 @@ int32_t PluginBase::fail(std::string const& message) const noexcept
 {
     try
     {
-        std::string const node = mNodeName.empty() ? std::string("<unnamed>") : mNodeName;
-        log(nvinfer1::ILogger::Severity::kERROR,
-            std::string(kPluginNamespace) + "::" + mOpName + " node '" + node + "': " + message);
+        log(nvinfer1::ILogger::Severity::kERROR, nodeMessage(mOpName, mNodeName, message));
     }
     catch (...)
     {
     }
     return -1;
-}
-
-bool PluginBase::reject(std::string const& message) const noexcept
-{
-    fail(message);
-    return false;
 }
 
 int32_t PluginBase::checkInputTypes(
@@ -417,47 +268,3 @@ bool readScalarField(nvinfer1::PluginField const& field, double& value) noexcept
 
 } // namespace plugin
 } // namespace attnx
-
-// ---------------------------------------------------------------------------------- library entry points
-
-extern "C" ATTNX_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
-{
-    attnx::plugin::setLoggerFinder(finder);
-}
-
-// The plugins' recent error messages (newest last, one per line), for callers whose TensorRT
-// logger does not show them. Returns the full length; copies at most size-1 bytes plus NUL.
-extern "C" ATTNX_PLUGIN_API size_t attnx_plugins_errors(char* buffer, size_t size)
-{
-    std::string all;
-    {
-        std::lock_guard<std::mutex> lock(attnx::plugin::gErrorsMutex);
-        for (auto const& e : attnx::plugin::gErrors)
-        {
-            all += e;
-            all += '\n';
-        }
-    }
-    if (buffer != nullptr && size > 0)
-    {
-        size_t const n = all.size() < size - 1 ? all.size() : size - 1;
-        std::memcpy(buffer, all.data(), n);
-        buffer[n] = '\0';
-    }
-    return all.size();
-}
-
-extern "C" ATTNX_PLUGIN_API void attnx_plugins_clear_errors(void)
-{
-    std::lock_guard<std::mutex> lock(attnx::plugin::gErrorsMutex);
-    attnx::plugin::gErrors.clear();
-}
-
-extern "C" ATTNX_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
-{
-    static attnx::plugin::MawDepthSelectCreator mawCreator;
-    static attnx::plugin::TtaDistanceCreator ttaCreator;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&mawCreator, &ttaCreator};
-    nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
-    return creators;
-}
