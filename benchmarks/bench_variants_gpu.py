@@ -12,7 +12,13 @@ Defaults: CUDA, fp16 and bf16, d_model 768, 12 heads, batch 1, L = 512 ... 8192.
 without a GPU it runs on the CPU (float32, and meant for tiny sizes: a smoke test), e.g.
 ``python benchmarks/bench_variants_gpu.py --device cpu --d-model 64 --heads 4 --lengths 16 32 --rounds 2``.
 
-Run: ``python benchmarks/bench_variants_gpu.py [--quick] [--lengths ...] [--variants ...] [--json out.json]``.
+With ``--pretrained DIR`` the models are a real Hugging Face folder (e.g. all-MiniLM-L6-v2) with
+each variant placed in it as ``attnx.pretrained.load(DIR, variant)`` places it (every layer, or
+MAW appended), fed token ids with padding (row lengths L, 3L/4, L/2, L/4, ...), compared with the
+plain model (``mha``).
+
+Run: ``python benchmarks/bench_variants_gpu.py [--quick] [--lengths ...] [--variants ...] [--json out.json]``
+or ``python benchmarks/bench_variants_gpu.py --pretrained DIR --batch 32 --lengths 128 256 512``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,24 @@ import json
 import statistics
 import sys
 import time
+
+
+def _token_inputs(torch, model, batch: int, seq: int, dtype, device) -> dict:
+    """Token ids (random in the vocabulary), a padded mask, segment ids 0 and the context inputs."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    feeds = {}
+    for spec in model.input_specs():
+        shape = [batch if d == "batch" else seq if d == "seq" else int(d) for d in spec.shape]
+        if spec.role == "attention_mask":
+            lengths = torch.tensor([max(1, seq * (4 - i % 4) // 4) for i in range(batch)])
+            feeds[spec.name] = (torch.arange(seq)[None] < lengths[:, None]).long().to(device)
+        elif spec.dtype == "float":
+            feeds[spec.name] = torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+        else:
+            low, high = spec.range or (0, 16)
+            high = 1 if spec.role == "token_type_ids" else high
+            feeds[spec.name] = torch.randint(low, high, shape, generator=g).to(device)
+    return feeds
 
 
 def _inputs(torch, model, batch: int, seq: int, d_model: int, dtype, device) -> tuple:
@@ -110,17 +134,29 @@ def run(args) -> list[dict]:
         dtype = getattr(torch, dtype_name)
         models = {}
         for v in variants:
-            models[v] = build_encoder(v, d_model=args.d_model, n_heads=args.heads, n_layers=1).to(device=device,
-                                                                                                 dtype=dtype).eval()
+            if args.pretrained:
+                from attnx import pretrained
+
+                models[v] = pretrained.load(args.pretrained, v).to(device=device, dtype=dtype).eval()
+            else:
+                models[v] = build_encoder(v, d_model=args.d_model, n_heads=args.heads, n_layers=1).to(
+                    device=device, dtype=dtype).eval()
         for L in lengths:
             calls, peaks, failed = {}, {}, {}
             for v, model in models.items():
                 try:
-                    hidden, mask, context = _inputs(torch, model, args.batch, L, args.d_model, dtype, device)
+                    if args.pretrained:
+                        feeds = _token_inputs(torch, model, args.batch, L, dtype, device)
 
-                    def forward(model=model, hidden=hidden, mask=mask, context=context):
-                        with torch.inference_mode():
-                            return model(hidden, mask, **context)
+                        def forward(model=model, feeds=feeds):
+                            with torch.inference_mode():
+                                return model.forward_named(feeds)
+                    else:
+                        hidden, mask, context = _inputs(torch, model, args.batch, L, args.d_model, dtype, device)
+
+                        def forward(model=model, hidden=hidden, mask=mask, context=context):
+                            with torch.inference_mode():
+                                return model(hidden, mask, **context)
 
                     forward()  # warm-up (kernel selection, lazy init)
                     peaks[v] = _peak_mib(torch, forward, device)
@@ -172,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 2)")
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one timed burst")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
+    parser.add_argument("--pretrained", default=None, help="a Hugging Face folder to place each variant in")
     args = parser.parse_args(argv)
     try:
         import torch  # noqa: F401
