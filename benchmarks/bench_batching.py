@@ -39,7 +39,7 @@ def export_default_maw(folder: Path) -> tuple[Path, str]:
 
 def _merge(parts: list, label: str):
     """One result from interleaved rounds: summed counts and time, pooled latencies."""
-    from attnx.runtime.bench import LoadResult
+    from attnx.deploy.loadtest import LoadResult
 
     total = LoadResult(label, parts[0].concurrency, sum(p.duration_s for p in parts))
     rows = batches = 0.0
@@ -78,7 +78,7 @@ class OverHttp:
 
     def __init__(self, session, config):
         from attnx.runtime import InferenceServer
-        from attnx.runtime.bench import HttpTarget
+        from attnx.deploy.loadtest import HttpTarget
 
         self.server = InferenceServer({"maw": session}, port=0, batching=config).start()
         self.batcher = self.server.models["maw"].batcher
@@ -89,7 +89,7 @@ class OverHttp:
 
 
 def measure(target_cls, session, pool, config, args, label):
-    from attnx.runtime.bench import run_load
+    from attnx.deploy.loadtest import run_load
 
     target = target_cls(session, config)
     try:
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from attnx.runtime import BatcherConfig, load
-    from attnx.runtime.bench import render, request_pool, run_load
-    from attnx.runtime.session import default_threads
+    from attnx.deploy.loadtest import render, request_pool, run_load
+    from attnx.runtime.backends.onnxrt import default_threads
 
     console = Console(width=200)
     scenarios = [[int(v) for v in mix.split(",")] for mix in args.scenarios.split(";") if mix]

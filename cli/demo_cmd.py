@@ -69,9 +69,9 @@ def register(app: typer.Typer) -> None:
 
         from attnx.cli.engine_cmd import build_engine_cmd, check_cmd
         from attnx.cli.export_cmd import parse_sets
+        from attnx import engine as eng
         from attnx.export.exporter import default_path, export_variant
-        from attnx.models.registry import VARIANTS
-        from attnx.runtime import engine as eng
+        from attnx.models import VARIANTS
 
         names = [v.strip() for item in variants for v in item.split(",") if v.strip()] or list(VARIANTS)
         unknown = [v for v in names if v not in VARIANTS]
@@ -84,12 +84,10 @@ def register(app: typer.Typer) -> None:
         console.rule(f"attnx demo: {', '.join(names)} -> {escape(str(wd))}/")
 
         # TensorRT and the plugins once, up front: without them the demo still exports and checks.
-        from attnx.runtime import tensorrt_backend as tb
-
         trt_problem = None
         try:
-            console.print(f"TensorRT backend: {tb.backend().describe()}")
-        except tb.TensorRTError as e:
+            console.print(f"TensorRT backend: {eng.backend().describe()}")
+        except eng.TensorRTError as e:
             trt_problem = eng.explain(e)
             err_console.print(f"[yellow]no engines:[/yellow] {escape(trt_problem)}")
         plugin_problem = None
@@ -165,8 +163,9 @@ def register(app: typer.Typer) -> None:
                 if report.engine is not None and not report.engine.get("ran"):
                     row.check += "*"
                     engine_note = report.engine.get("reason", "")
-                errs = report.max_errors()
-                row.errors = " ".join(f"{v:.1e}" if k == "output" else f"(depth {v:g})" for k, v in errs.items())
+                exact = report.exact_outputs  # shown only where they differ (a passing check has them equal)
+                row.errors = " ".join(f"({k} {v:g})" if k in exact else f"{v:.1e}"
+                                      for k, v in report.max_errors().items() if k not in exact or v)
                 console.print(f"check: {report.verdict} ({len(report.comparisons)} comparisons, "
                               f"{len(report.cases)} cases) in {report.seconds:.1f}s; report {escape(str(report_path))}",
                               highlight=False)
@@ -191,8 +190,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"* engine not run here: {escape(engine_note)}; check compared the PyTorch reference with "
                           "ONNX Runtime on both lowerings", highlight=False)
         console.print(f"[dim]export: parameters; plugin layers: of the attnx custom nodes; max error: worst "
-                      f"|output - reference| over the runners (fp16 model vs the fp32 reference), maw_depth in "
-                      f"brackets; reports in {escape(str(wd / 'parity'))}/[/dim]", highlight=False)
+                      f"|output - reference| over the runners (fp16 model vs the fp32 reference), exact outputs in "
+                      f"brackets where they differ; reports in {escape(str(wd / 'parity'))}/[/dim]", highlight=False)
         for r in rows:
             for note in r.notes:
                 err_console.print(f"[red]{r.variant}:[/red] {escape(note)}", highlight=False)

@@ -25,21 +25,17 @@ def _one_line(text: str) -> str:
 
 @contextlib.contextmanager
 def user_errors():
-    """The engine/parity/adapter exceptions as one-line :class:`UserError` s."""
-    from attnx.runtime import engine as eng
-    from attnx.runtime import parity
+    """The contract/engine/parity exceptions as one-line :class:`UserError` s."""
+    from attnx.contract import ContractError
+    from attnx.engine.errors import TensorRTError, explain
+    from attnx.parity.cases import ParityError
 
     try:
-        from attnx.runtime import tensorrt_backend as tb
-        trt_errors: tuple = (tb.TensorRTError,)
-    except ImportError:  # pragma: no cover - the adapter imports nothing heavy at module level
-        trt_errors = ()
-    try:
         yield
-    except (eng.EngineBuildError, parity.ParityError) as e:
+    except (ContractError, ParityError) as e:
         raise UserError(_one_line(e), code=2) from e
-    except trt_errors as e:  # type: ignore[misc]
-        raise UserError(eng.explain(e), code=1) from e
+    except TensorRTError as e:
+        raise UserError(explain(e), code=1) from e
     except FileNotFoundError as e:
         raise UserError(_one_line(e), code=2) from e
 
@@ -94,7 +90,7 @@ def build_engine_cmd(model: Optional[Path], output: Optional[Path], fp16: bool, 
     from rich.markup import escape
     from rich.table import Table
 
-    from attnx.runtime import engine as eng
+    from attnx import engine as eng
 
     with user_errors():
         shape_overrides = eng.parse_shapes(shapes)
@@ -146,7 +142,7 @@ def render_report(report, report_path: Path | None = None) -> None:
         table.add_column(col, justify="right" if col in ("max abs", "mean abs", "max rel") else "left", no_wrap=True)
     for c in report.comparisons:
         result = "[green]pass[/green]" if c.passed else "[bold red]FAIL[/bold red]"
-        if c.passed and c.ties and c.output == "maw_depth":
+        if c.passed and c.ties and c.output in report.tie_margins:
             result = f"[yellow]pass, {c.ties} tie{'s' if c.ties != 1 else ''}[/yellow]"
         table.add_row(c.runner, c.output, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.mean_abs:.2g}", result)
     console.print(table)
@@ -156,8 +152,8 @@ def render_report(report, report_path: Path | None = None) -> None:
                     f"{name} per element abs <= {atol:g} or rel <= {rtol:g}, mean abs <= {mean_atol:g}")
     console.print(f"[dim]tolerances ({report.precision}): {'; '.join(tols)}[/dim]", highlight=False)
     for t in report.ties:
-        console.print(f"[yellow]depth tie:[/yellow] {t['runner']} case {report.cases[t['iteration']].label()} row "
-                      f"{t['row']}: depth {t['depth']} vs reference {t['reference_depth']} at policy-logit margin "
+        console.print(f"[yellow]{t['output']} tie:[/yellow] {t['runner']} case {report.cases[t['iteration']].label()} "
+                      f"row {t['row']}: {t['value']} vs reference {t['reference_value']} at decision margin "
                       f"{t['margin']:.2g} (< {t['tie_margin']:g}); row left out of the statistics", highlight=False)
     if report.engine is not None and not report.engine.get("ran"):
         console.print(f"[yellow]engine not run here:[/yellow] {escape(report.engine.get('reason', ''))}; "
@@ -166,7 +162,7 @@ def render_report(report, report_path: Path | None = None) -> None:
         console.print("[dim]no engine checked (build one with `attnx build-engine`, or pass --engine)[/dim]")
     verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
     if report.passed and report.ties:
-        verdict += f" [yellow]({len(report.ties)} maw depth tie(s) at near-equal policy logits, reported above)[/yellow]"
+        verdict += f" [yellow]({len(report.ties)} tie(s) at near-equal decision margins, reported above)[/yellow]"
     console.print(f"{verdict} in {report.seconds:.1f}s"
                   + (f"; report: {escape(str(report_path))}" if report_path else ""), highlight=False)
 
@@ -176,13 +172,13 @@ def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Option
     """The body of `attnx check` (also used by `attnx demo`); returns (report, report_path)."""
     from rich.markup import escape
 
-    from attnx.runtime import engine as eng
-    from attnx.runtime import parity
+    from attnx import parity
+    from attnx.contract import read_sidecar
 
     wd = wd or workdir()
     with user_errors():
         if model is None and engine is not None:
-            sidecar = eng.read_sidecar(engine) if engine.is_file() else None
+            sidecar = read_sidecar(engine) if engine.is_file() else None
             candidates = [Path(sidecar["onnx"]), engine.parent / sidecar.get("onnx_name", "")] if sidecar else []
             model = next((c for c in candidates if c.is_file()), None)
             if model is not None and not quiet:
@@ -204,8 +200,6 @@ def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Option
         err_console.print("[bold red]error:[/bold red] parity mismatch: " + escape("; ".join(report.mismatches())),
                           highlight=False)
     return report, report_path
-
-
 
 
 def register(app: typer.Typer) -> None:

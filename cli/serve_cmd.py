@@ -125,7 +125,7 @@ def register(app: typer.Typer) -> None:
         """Load-test a model: throughput and p50/p95/p99 latency at a given concurrency."""
         import json
 
-        from attnx.runtime import bench as b
+        from attnx.deploy import loadtest as b
 
         lengths = _seq_list(seq)
         if concurrency < 1 or duration <= 0 or batch < 1:
@@ -194,7 +194,7 @@ def register(app: typer.Typer) -> None:
         onnx: Optional[Path] = typer.Option(None, help="For an engine: the ONNX it was built from (I/O names)."),
     ) -> None:
         """Write a Triton Inference Server model repository (config.pbtxt checked with Triton's schema)."""
-        from attnx.runtime.triton_repo import schema_problem, write_repository
+        from attnx.deploy.triton import schema_problem, write_repository
 
         path = model or latest_export()
         if not path.is_file():
@@ -222,8 +222,9 @@ def _specs_from_metadata(meta: dict):
     """TensorSpecs from KServe model metadata (-1 dims: batch first, then seq where the rank says so)."""
     import numpy as np
 
+    from attnx.contract import BATCH, SEQ, default_role
     from attnx.runtime.protocol import TRITON_TO_NUMPY
-    from attnx.runtime.session import TensorSpec, _default_role
+    from attnx.runtime.session import TensorSpec
 
     specs = []
     for t in meta.get("inputs", []):
@@ -232,7 +233,7 @@ def _specs_from_metadata(meta: dict):
             if d != -1:
                 dims.append(d)
             else:
-                dims.append("batch" if axis == 0 else "seq" if "seq" not in dims else "?")
+                dims.append(BATCH if axis == 0 else SEQ if SEQ not in dims else "?")
         specs.append(TensorSpec(t["name"], np.dtype(TRITON_TO_NUMPY[t["datatype"]]), tuple(dims),
-                                _default_role(t["name"], True)))
+                                default_role(t["name"], True)))
     return specs

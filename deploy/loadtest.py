@@ -1,4 +1,4 @@
-"""A closed-loop load generator: N concurrent clients for a bounded time, latency percentiles.
+"""``attnx bench``: a closed-loop load generator: N concurrent clients for a bounded time, latency percentiles.
 
 Targets:
 
@@ -21,7 +21,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from attnx.runtime.session import BATCH, ROLE_HIDDEN, ROLE_MASK, SEQ, TensorSpec
+from attnx.contract import BATCH, SEQ, Role
+from attnx.runtime.session import TensorSpec
 
 
 def synthetic_feeds(
@@ -36,11 +37,11 @@ def synthetic_feeds(
     for spec in inputs:
         shape = [batch if d == BATCH else seq if d == SEQ else d if isinstance(d, int) else 1 for d in spec.shape]
         dtype = np.dtype(spec.dtype)
-        if spec.role == ROLE_MASK:
+        if spec.role == Role.ATTENTION_MASK:
             arr = np.zeros(shape, dtype=dtype)
             arr[..., : (length or seq)] = 1
         elif dtype.kind == "f":
-            scale = 1.0 if spec.role == ROLE_HIDDEN else (0.05 if "trace" in spec.name else 0.5)
+            scale = 1.0 if spec.role == Role.HIDDEN_STATES else (0.05 if "trace" in spec.name else 0.5)
             arr = (rng.standard_normal(shape) * scale).astype(dtype)
         elif dtype.kind == "b":
             arr = np.ones(shape, dtype=dtype)

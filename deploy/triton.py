@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from attnx.runtime.session import BATCH, ROLE_MASK, Session, TensorSpec
+from attnx.contract import BATCH, Role
+from attnx.runtime.session import Session, TensorSpec
 
 #: numpy dtype -> Triton ``DataType`` enum name.
 TRITON_TYPES = {
@@ -295,7 +296,8 @@ def write_repository(
     sidecar does not list its I/O, the ONNX it was built from. ``validate``: check the
     config with Triton's schema (None: when tritonclient is installed to provide it).
     """
-    from attnx.runtime.session import engine_io_specs, onnx_io_specs
+    from attnx.runtime.backends.onnxrt import onnx_io_specs
+    from attnx.runtime.backends.tensorrt import engine_io_specs
 
     model_path = Path(model_path)
     suffix = model_path.suffix.lower()
@@ -352,7 +354,7 @@ def write_repository(
 def _readme(repo: Path, plugin_rel: str | None, inputs: Sequence[TensorSpec]) -> str:
     models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
     plugins = sorted(f"plugins/{p.name}" for p in (repo / "plugins").glob("*.so*")) if (repo / "plugins").is_dir() else []
-    mask = next((s.name for s in inputs if s.role == ROLE_MASK), "attention_mask")
+    mask = next((s.name for s in inputs if s.role == Role.ATTENTION_MASK), "attention_mask")
     plugin_text = (
         "\n".join(f"- `{p}`" for p in plugins)
         if plugins

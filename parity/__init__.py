@@ -1,1 +1,33 @@
-"""(being written)"""
+"""Parity of an attnx export with its PyTorch reference (``attnx check``), with Polygraphy.
+
+- :mod:`~attnx.parity.cases`: the input cases and the Polygraphy data loader;
+- :mod:`~attnx.parity.runners`: the PyTorch reference, ONNX Runtime and engine runners;
+- :mod:`~attnx.parity.compare`: tolerances (per precision; variants override) and the tie-aware compare function;
+- :mod:`~attnx.parity.report`: comparisons, the verdict, the JSON report;
+- :mod:`~attnx.parity.check`: :func:`run_check`, which puts them together.
+
+Nothing here names a variant: exact outputs, their decision margins and tolerances come from the
+variants' specs (:class:`attnx.models.spec.VariantSpec`).
+"""
+
+from attnx.parity.cases import Case, ParityDataLoader, ParityError, default_cases, parse_cases
+from attnx.parity.check import LOWERINGS, find_engine_for, load_reference, run_check
+from attnx.parity.compare import (
+    DEFAULT_TOLERANCES,
+    EXACT,
+    TieAwareCompareFunc,
+    TieTracker,
+    main_outputs,
+    resolve_tolerances,
+    tie_margins,
+)
+from attnx.parity.report import Comparison, ParityReport, summarize
+from attnx.parity.runners import MARGIN_PREFIX, REFERENCE, EngineRunner, TorchReferenceRunner, margins, onnxrt_runner
+
+__all__ = [
+    "ParityError", "Case", "default_cases", "parse_cases", "ParityDataLoader",
+    "TorchReferenceRunner", "EngineRunner", "onnxrt_runner", "margins", "MARGIN_PREFIX", "REFERENCE",
+    "DEFAULT_TOLERANCES", "EXACT", "resolve_tolerances", "tie_margins", "main_outputs", "TieTracker",
+    "TieAwareCompareFunc", "Comparison", "ParityReport", "summarize",
+    "run_check", "load_reference", "find_engine_for", "LOWERINGS",
+]

@@ -1,9 +1,14 @@
-"""attnx runtime: load a model once, run it many times, batch concurrent requests, serve it.
+"""attnx runtime, the serving stack: load a model once, run it many times, batch concurrent requests, serve it.
+
+Modules: ``session`` (the :class:`Session` interface, feed checks, :func:`load`), ``backends/``
+(ONNX Runtime, TensorRT engines), ``batcher``, ``protocol`` (KServe v2), ``server``, ``metrics``.
+Offline tooling lives elsewhere: engines in :mod:`attnx.engine`, parity in :mod:`attnx.parity`,
+Triton repositories and load tests in :mod:`attnx.deploy`.
 
 Public names (see docs/embedding.md for a service embedding them):
 
 - ``load(path, device="auto", threads=None)`` -> :class:`Session` (``.onnx`` on
-  ONNX Runtime, ``.engine`` through the TensorRT backend adapter); ``.inputs``,
+  ONNX Runtime, ``.engine`` through :mod:`attnx.engine`); ``.inputs``,
   ``.outputs`` (:class:`TensorSpec`), ``.run(feeds) -> outputs``; thread-safe.
 - :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching.
 - :class:`InferenceServer`: the KServe v2 HTTP server (``attnx serve``); needs the

@@ -43,7 +43,8 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from attnx.runtime.session import ROLE_MASK, InputError, Session, TensorSpec
+from attnx.contract import Role
+from attnx.runtime.session import InputError, Session, TensorSpec
 
 
 class QueueFullError(RuntimeError):
@@ -122,7 +123,7 @@ class BatchLayout:
     def __init__(self, inputs: list[TensorSpec], outputs: list[TensorSpec]):
         self.inputs = inputs
         self.outputs = outputs
-        self.mask = next((s for s in inputs if s.role == ROLE_MASK), None)
+        self.mask = next((s for s in inputs if s.role == Role.ATTENTION_MASK), None)
         # Batching is only safe when every tensor has a batch axis to split along.
         self.can_batch = all(s.batch_axis is not None for s in inputs + outputs)
         # Padding is only safe when padded positions can be masked out.

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from attnx.runtime.session import BATCH, ROLE_MASK, SEQ, TensorSpec
+from attnx.contract import BATCH, SEQ, Role
+from attnx.runtime.session import TensorSpec
 
 #: Protocol datatype strings <-> numpy (little-endian on the wire).
 TRITON_TO_NUMPY: dict[str, np.dtype] = {
@@ -112,7 +113,7 @@ class ModelSignature:
     @property
     def optional_inputs(self) -> set[str]:
         # The attention mask may be omitted: it then means all ones (see session.py).
-        return {s.name for s in self.inputs if s.role == ROLE_MASK}
+        return {s.name for s in self.inputs if s.role == Role.ATTENTION_MASK}
 
 
 @dataclass
@@ -253,7 +254,7 @@ def _check_shape(spec: TensorSpec, shape: Any, sig: ModelSignature, limits: Limi
 def _check_values(spec: TensorSpec, arr: np.ndarray) -> None:
     if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
         raise BadRequest(f"input {spec.name!r}: holds NaN or infinite values")
-    if spec.role == ROLE_MASK and arr.size and not np.isin(arr, (0, 1)).all():
+    if spec.role == Role.ATTENTION_MASK and arr.size and not np.isin(arr, (0, 1)).all():
         raise BadRequest(f"input {spec.name!r}: an attention mask holds only 0 (padding) and 1 (token)")
 
 

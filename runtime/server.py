@@ -105,7 +105,7 @@ class ServedModel:
 
     def config(self) -> dict[str, Any]:
         """A Triton model configuration (JSON form), as ``GET .../config`` returns."""
-        from attnx.runtime.triton_repo import model_config
+        from attnx.deploy.triton import model_config
 
         return model_config(
             self.name,
@@ -338,7 +338,7 @@ class _QuietExitServer(uvicorn.Server):
 class InferenceServer:
     """Models + batchers + metrics + uvicorn, runnable in the foreground or a background thread.
 
-    >>> server = InferenceServer({"maw": "attnx-out/maw.onnx"}, port=0)
+    >>> server = InferenceServer({"encoder": "attnx-out/model.onnx"}, port=0)
     >>> server.start()          # background thread; returns when it accepts connections
     >>> server.url              # 'http://127.0.0.1:43817'
     >>> server.stop()           # graceful: in-flight requests finish first

@@ -1,56 +1,35 @@
 """Sessions: load a model once, run it many times with named numpy tensors.
 
-A session is the smallest runnable unit of the runtime. It knows its inputs
-and outputs as :class:`TensorSpec` (name, numpy dtype, shape with the dynamic
-axes named ``"batch"`` / ``"seq"``, role) and runs feeds -> outputs. Every
-session is safe to call from several threads at once.
+A session is the smallest runnable unit of the runtime. It knows its inputs and outputs as
+:class:`TensorSpec` (name, numpy dtype, shape with the dynamic axes named ``"batch"`` /
+``"seq"``, role) and runs feeds -> outputs. Every session is safe to call from several threads
+at once. The backends (:mod:`attnx.runtime.backends`) implement it:
 
-- :class:`OnnxRuntimeSession` runs an ``.onnx`` file with ONNX Runtime
-  (CPU by default, CUDA when available and asked for).
-- :class:`EngineSession` runs a TensorRT ``.engine`` through the backend adapter
-  ``attnx.runtime.tensorrt_backend`` where TensorRT can run.
+- ONNX Runtime for ``.onnx`` files (CPU by default, CUDA when available and asked for);
+- TensorRT for ``.engine`` / ``.plan`` files, through :mod:`attnx.engine` where TensorRT can run.
 
-``load(path)`` picks one by the file suffix.
+``load(path)`` picks one by the file suffix. Specs come from the file's own dims (the truth) with
+the names and roles of its attnx metadata (:class:`attnx.contract.ModelInfo`), or the contract's
+default roles for any other file.
 
-Feeds may omit ``attention_mask``: it then means "every token is real" (all
-ones for the request's length), the same convention the batcher and the
-server use.
+Feeds may omit ``attention_mask``: it then means "every token is real" (all ones for the
+request's length), the same convention the batcher and the server use.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-#: ONNX Runtime type strings -> numpy dtypes (the ones attnx models use, plus the usual).
-_ORT_TYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8,
-    "tensor(uint16)": np.uint16,
-    "tensor(uint32)": np.uint32,
-    "tensor(uint64)": np.uint64,
-    "tensor(bool)": np.bool_,
-}
+from attnx.contract import BATCH, SEQ, ContractError, ModelInfo, Role, TensorEntry, default_role, read_profiles
 
-BATCH = "batch"
-SEQ = "seq"
-
-ROLE_HIDDEN = "hidden_states"
-ROLE_MASK = "attention_mask"
-ROLE_CONTEXT = "context"
-ROLE_OUTPUT = "output"
-ROLE_AUX = "aux"
+#: A tensor as the file itself declares it: (name, numpy dtype, dims as ints / dim names / None).
+FileSpec = tuple[str, np.dtype, list]
 
 
 class InputError(ValueError):
@@ -64,7 +43,7 @@ class TensorSpec:
     name: str
     dtype: np.dtype
     shape: tuple[int | str, ...]
-    role: str = ROLE_CONTEXT
+    role: str = Role.CONTEXT
 
     @property
     def rank(self) -> int:
@@ -86,25 +65,16 @@ class TensorSpec:
         return {"name": self.name, "dtype": np.dtype(self.dtype).name, "shape": list(self.shape), "role": self.role}
 
 
-def _default_role(name: str, is_input: bool) -> str:
-    if is_input:
-        return {"hidden_states": ROLE_HIDDEN, "attention_mask": ROLE_MASK}.get(name, ROLE_CONTEXT)
-    return ROLE_OUTPUT if name == "output" else ROLE_AUX
+def merge_specs(file_specs: Iterable[FileSpec], entries: Sequence[TensorEntry] | None, is_input: bool) -> list[TensorSpec]:
+    """Combine the file's own dims (the truth) with the metadata's entries (``ModelInfo.inputs``/``outputs``).
 
-
-def _merge_specs(
-    file_specs: list[tuple[str, np.dtype, list[Any]]], meta: list[dict] | None, is_input: bool
-) -> list[TensorSpec]:
-    """Combine the file's own dims (the truth) with the ``attnx.inputs``/``attnx.outputs`` metadata.
-
-    The metadata only names dims the file left anonymous (an exporter may call an
-    output's dynamic dim ``s0``) and supplies roles; a fixed dim in the file always wins.
-    """
-    by_name = {m.get("name"): m for m in (meta or []) if isinstance(m, dict)}
+    The metadata only names dims the file left anonymous (an exporter may call an output's
+    dynamic dim ``s0``) and supplies roles; a fixed dim in the file always wins."""
+    by_name = {e.name: e for e in entries or ()}
     specs = []
     for name, dtype, dims in file_specs:
-        m = by_name.get(name, {})
-        mshape = m.get("shape") if isinstance(m.get("shape"), list) else None
+        entry = by_name.get(name)
+        mshape = list(entry.shape) if entry is not None else None
         shape: list[int | str] = []
         for axis, d in enumerate(dims):
             if isinstance(d, int) and d >= 0:
@@ -115,25 +85,16 @@ def _merge_specs(
                 if mshape[axis] in (BATCH, SEQ):
                     named = mshape[axis]
             shape.append(named)
-        role = m.get("role") or _default_role(name, is_input)
+        role = entry.role if entry is not None else default_role(name, is_input)
         specs.append(TensorSpec(name, np.dtype(dtype), tuple(shape), role))
     return specs
-
-
-def _json_or_none(text: str | None) -> Any:
-    if not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 class Session:
     """Base of every session: specs, feed checking, and ``run``.
 
-    Subclasses implement :meth:`_run` (already-checked feeds -> outputs).
-    """
+    Subclasses set ``path``, ``inputs``, ``outputs``, ``metadata`` (the file's ``{key: value}``)
+    and implement :meth:`_run` (already-checked feeds -> outputs)."""
 
     path: Path
     inputs: list[TensorSpec]
@@ -169,19 +130,30 @@ class Session:
     def mask_input(self) -> TensorSpec | None:
         """The attention-mask input (role ``attention_mask``), if the model has one."""
         for spec in self.inputs:
-            if spec.role == ROLE_MASK:
+            if spec.role == Role.ATTENTION_MASK:
                 return spec
         return None
 
+    @functools.cached_property
+    def info(self) -> ModelInfo | None:
+        """The attnx metadata of the file (None for other files, or when it is unreadable)."""
+        try:
+            return ModelInfo.from_props(self.metadata)
+        except ContractError:
+            return None
+
     @property
     def variant(self) -> str | None:
-        return self.metadata.get("attnx.variant")
+        return self.info.variant if self.info is not None else None
 
     @property
     def profiles(self) -> dict | None:
-        """``attnx.profiles`` metadata: ``{"batch": [min, opt, max], "seq": [...]}`` or None."""
-        value = _json_or_none(self.metadata.get("attnx.profiles"))
-        return value if isinstance(value, dict) else None
+        """The file's profiles: ``{"batch": [min, opt, max], "seq": [...]}`` or None."""
+        try:
+            found = read_profiles(self.metadata)
+        except ContractError:
+            return None
+        return {axis: list(rng) for axis, rng in found.items()} or None
 
     # --- running -------------------------------------------------------------
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -283,243 +255,22 @@ def _check_shared_dims(specs: list[TensorSpec], feeds: Mapping[str, np.ndarray])
             seen.setdefault(d, (size, spec.name))
 
 
-# --------------------------------------------------------------------------------------
-# ONNX Runtime
-# --------------------------------------------------------------------------------------
-
-
-def default_threads() -> int:
-    """CPUs this process may use (affinity-aware; containers often restrict it)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def ort_providers(device: str = "auto") -> list[str]:
-    """Execution providers for ``device``: ``cpu``, ``cuda`` (must exist), or ``auto`` (CUDA when present)."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    if device == "cpu":
-        return ["CPUExecutionProvider"]
-    if device == "cuda":
-        if "CUDAExecutionProvider" not in available:
-            raise RuntimeError(
-                "device 'cuda' asked for, but this onnxruntime has no CUDAExecutionProvider "
-                "(install onnxruntime-gpu in place of onnxruntime)"
-            )
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if device == "auto":
-        if "CUDAExecutionProvider" in available:
-            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        return ["CPUExecutionProvider"]
-    raise ValueError(f"unknown device {device!r} (cpu, cuda or auto)")
-
-
-@dataclass
-class OrtOptions:
-    """ONNX Runtime settings a service cares about.
-
-    - ``threads``: intra-op threads (default: the CPUs this process may use).
-    - ``spin``: let idle pool threads busy-wait. Off by default: a served model
-      is idle between batches, and spinning threads would steal the cores the
-      HTTP front end and the other models need.
-    - ``optimization``: graph optimization level (``all``, ``extended``, ``basic``, ``none``).
-    """
-
-    device: str = "auto"
-    threads: int | None = None
-    spin: bool = False
-    optimization: str = "all"
-    extra_session_config: dict[str, str] = field(default_factory=dict)
-
-
-class OnnxRuntimeSession(Session):
-    """An ``.onnx`` model on ONNX Runtime. ``InferenceSession.run`` is thread-safe, so is this."""
-
-    platform = "onnxruntime_onnx"
-
-    def __init__(self, path: str | os.PathLike, options: OrtOptions | None = None):
-        import onnxruntime as ort
-
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no model file at {self.path}")
-        self.options = options or OrtOptions()
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = self.options.threads or default_threads()
-        so.inter_op_num_threads = 1  # one graph at a time per call; parallelism comes from intra-op
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = {
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        }[self.options.optimization]
-        if not self.options.spin:
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        for k, v in self.options.extra_session_config.items():
-            so.add_session_config_entry(k, v)
-        providers = ort_providers(self.options.device)
-        self._sess = ort.InferenceSession(str(self.path), sess_options=so, providers=providers)
-        self.provider = "onnxruntime:" + self._sess.get_providers()[0]
-        self.metadata = dict(self._sess.get_modelmeta().custom_metadata_map)
-
-        def file_specs(args):
-            out = []
-            for a in args:
-                if a.type not in _ORT_TYPES:
-                    raise ValueError(f"{self.path}: tensor {a.name!r} has unsupported type {a.type}")
-                out.append((a.name, np.dtype(_ORT_TYPES[a.type]), list(a.shape)))
-            return out
-
-        self.inputs = _merge_specs(
-            file_specs(self._sess.get_inputs()), _json_or_none(self.metadata.get("attnx.inputs")), True
-        )
-        self.outputs = _merge_specs(
-            file_specs(self._sess.get_outputs()), _json_or_none(self.metadata.get("attnx.outputs")), False
-        )
-
-    def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
-        values = self._sess.run(output_names, feeds)
-        return dict(zip(output_names, values))
-
-    def close(self) -> None:
-        self._sess = None  # type: ignore[assignment]
-
-
-# --------------------------------------------------------------------------------------
-# TensorRT engines (through the backend adapter owned by the engine code)
-# --------------------------------------------------------------------------------------
-
-
-def engine_sidecar(path: Path) -> dict:
-    """The JSON written next to an engine by ``attnx build-engine`` (``x.engine.json`` or ``x.json``)."""
-    for candidate in (path.with_name(path.name + ".json"), path.with_suffix(".json")):
-        if candidate.is_file():
-            try:
-                data = json.loads(candidate.read_text())
-                return data if isinstance(data, dict) else {}
-            except ValueError:
-                return {}
-    return {}
-
-
-def engine_io_specs(path: Path, onnx_path: Path | None = None) -> tuple[list[TensorSpec], list[TensorSpec], dict]:
-    """I/O specs of an engine without running it: the sidecar's, else those of its source ONNX.
-
-    Used where TensorRT cannot run (``attnx triton-repo`` on a CPU machine).
-    """
-    sidecar = engine_sidecar(path)
-    if isinstance(sidecar.get("inputs"), list) and isinstance(sidecar.get("outputs"), list):
-        # `attnx build-engine` writes {name, dtype, shape (dim names / ints / null), role} per tensor.
-        def specs(items, is_input):
-            listed = [(i["name"], np.dtype(i.get("dtype", "float32")), list(i.get("shape", []))) for i in items]
-            return _merge_specs(listed, items, is_input)
-
-        return specs(sidecar["inputs"], True), specs(sidecar["outputs"], False), sidecar
-    candidates = [onnx_path] if onnx_path else []
-    for key in ("onnx", "source", "onnx_path", "model"):
-        if isinstance(sidecar.get(key), str):
-            candidates.append(Path(sidecar[key]))
-    candidates.append(path.with_suffix(".onnx"))
-    for c in candidates:
-        if c is not None and c.is_file():
-            inputs, outputs = onnx_io_specs(c)
-            return inputs, outputs, sidecar
-    raise FileNotFoundError(
-        f"cannot tell the inputs/outputs of {path}: no sidecar with 'inputs'/'outputs' "
-        f"and no source ONNX found (pass the .onnx it was built from)"
-    )
-
-
-def onnx_io_specs(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """I/O specs read from an ONNX file's graph and metadata, without creating a session."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    meta = {p.key: p.value for p in model.metadata_props}
-    initializers = {i.name for i in model.graph.initializer}
-
-    def file_specs(values):
-        out = []
-        for v in values:
-            if v.name in initializers:
-                continue
-            tt = v.type.tensor_type
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-            dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else None)
-                    for d in tt.shape.dim]
-            out.append((v.name, np.dtype(dtype), dims))
-        return out
-
-    return (
-        _merge_specs(file_specs(model.graph.input), _json_or_none(meta.get("attnx.inputs")), True),
-        _merge_specs(file_specs(model.graph.output), _json_or_none(meta.get("attnx.outputs")), False),
-    )
-
-
-class EngineSession(Session):
-    """A TensorRT engine, run through ``attnx.runtime.tensorrt_backend.load_engine``.
-
-    The adapter owns deserialization and execution (and serializes calls on its one
-    execution context); this class gives it the session interface. I/O specs come
-    from the build sidecar or the source ONNX (which name the ``batch``/``seq``
-    dims); failing those, from the engine itself, reading its first dynamic dim as
-    ``batch`` and its second as ``seq`` (the export contract's order).
-    """
-
-    platform = "tensorrt_plan"
-
-    def __init__(self, path: str | os.PathLike, onnx_path: str | os.PathLike | None = None):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no engine file at {self.path}")
-        try:
-            from attnx.runtime import tensorrt_backend
-        except ImportError as e:  # the adapter's own imports may fail where TensorRT is absent
-            raise RuntimeError(f"cannot run {self.path.name}: the TensorRT backend is unavailable ({e})") from e
-        self._engine = tensorrt_backend.load_engine(self.path)
-        try:
-            self.inputs, self.outputs, sidecar = engine_io_specs(self.path, Path(onnx_path) if onnx_path else None)
-        except FileNotFoundError:
-            sidecar = engine_sidecar(self.path)
-            tensors = getattr(self._engine, "io_tensors", [])
-            self.inputs = [_engine_spec(t, True) for t in tensors if t.is_input]
-            self.outputs = [_engine_spec(t, False) for t in tensors if not t.is_input]
-        self.metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in sidecar.items()}
-        self.provider = "tensorrt:" + str(sidecar.get("backend", "tensorrt"))
-
-    def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
-        out = self._engine.run(feeds)
-        return {n: np.asarray(out[n]) for n in output_names}
-
-    def close(self) -> None:
-        close = getattr(self._engine, "close", None)
-        if close is not None:
-            close()
-
-
-def _engine_spec(tensor: Any, is_input: bool) -> TensorSpec:
-    names = iter((BATCH, SEQ))
-    shape = tuple(d if d >= 0 else next(names, "?") for d in tensor.shape)
-    return TensorSpec(tensor.name, np.dtype(tensor.dtype), shape, _default_role(tensor.name, is_input))
-
-
 def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None = None, **opts: Any) -> Session:
     """Load a model file once; returns a thread-safe :class:`Session`.
 
     ``.onnx`` -> ONNX Runtime (``device``: ``auto`` | ``cpu`` | ``cuda``; ``threads``:
-    intra-op threads; ``spin``, ``optimization`` as in :class:`OrtOptions`).
-    ``.engine`` / ``.plan`` -> TensorRT through the backend adapter (``onnx_path``:
-    the source ONNX, when the engine's sidecar does not list its I/O).
+    intra-op threads; ``spin``, ``optimization`` as in :class:`~attnx.runtime.backends.onnxrt.OrtOptions`).
+    ``.engine`` / ``.plan`` -> TensorRT (``onnx_path``: the source ONNX, when the engine's sidecar
+    does not list its I/O).
     """
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix == ".onnx":
+        from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions
+
         return OnnxRuntimeSession(p, OrtOptions(device=device, threads=threads, **opts))
     if suffix in (".engine", ".plan"):
+        from attnx.runtime.backends.tensorrt import EngineSession
+
         return EngineSession(p, onnx_path=opts.get("onnx_path"))
     raise ValueError(f"{p}: unknown model type {suffix!r} (expected .onnx or .engine)")

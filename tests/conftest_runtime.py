@@ -12,7 +12,7 @@ from typing import Iterator, Mapping
 
 import numpy as np
 
-from attnx.runtime.bench import synthetic_feeds
+from attnx.deploy.loadtest import synthetic_feeds
 from attnx.runtime.session import Session
 
 #: One layer is enough to exercise masking and context inputs, and exports fastest.

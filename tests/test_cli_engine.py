@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-tb = pytest.importorskip("attnx.runtime.tensorrt_backend")
+tb = pytest.importorskip("attnx.engine")
 
 
 def attnx(*args, cwd: Path, extra_path: Path | None = None, env: dict | None = None, timeout: int = 300):

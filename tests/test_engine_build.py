@@ -1,4 +1,4 @@
-"""`attnx.runtime.engine`: engines for every variant, fp32 and fp16, built with TensorRT-RTX on this
+"""`attnx.engine`: engines for every variant, fp32 and fp16, built with TensorRT-RTX on this
 CPU-only machine (target sm89), with plugin layers counted and a sidecar that check/serve/bench read.
 
 A small build takes 0.3-1.5 s here (d_model 32, 2 layers); the exports (shared, cached by the
@@ -15,16 +15,18 @@ import numpy as np
 import onnx
 import pytest
 
-from attnx.export.exporter import sha256_file
-from attnx.export.metadata import read_metadata
-from attnx.runtime import engine as eng
+from attnx import engine as eng
+from attnx.contract import PLAN_MAGICS, ContractError, ModelInfo, sha256_file, sidecar_path, verify_engine
+from attnx.engine import fp16 as engine_fp16
+from attnx.models import VARIANTS, get_spec
 
-tb = pytest.importorskip("attnx.runtime.tensorrt_backend")
+tb = eng
 pytestmark = pytest.mark.rtx
 
-VARIANTS = ("mha", "cultural", "metaphor", "maw", "smal")
-#: attnx custom nodes in a 2-layer plugin-lowered export.
-CUSTOM = {"maw": {"MawDepthSelect": 2}, "smal": {"TtaDistance": 2}}
+
+def custom_nodes(variant: str) -> dict[str, int]:
+    """attnx custom nodes in a 2-layer plugin-lowered export: one per layer of each op the variant lowers to."""
+    return {op.name: 2 for op in get_spec(variant).custom_ops if op.torch_op is not None}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,8 @@ def test_build_every_variant(exported, backend, plugin_lib, tmp_path, variant, f
     # The engine and its sidecar.
     plan = out.read_bytes()
     assert built.engine_path == out and len(plan) > 10_000
-    assert plan[:4] in eng.PLAN_MAGICS
-    side = json.loads(eng.sidecar_path(out).read_text())
+    assert plan[:4] in PLAN_MAGICS
+    side = json.loads(sidecar_path(out).read_text())
     assert side == built.sidecar
     assert side["engine_bytes"] == len(plan) and side["engine_sha256"] == sha256_file(out)
     assert (side["backend"], side["backend_version"]) == (backend.name, backend.version)
@@ -61,10 +63,10 @@ def test_build_every_variant(exported, backend, plugin_lib, tmp_path, variant, f
     src = Path(side["onnx"])
     if fp16:
         assert src == res.path.with_name(res.path.stem + "-fp16.onnx").resolve()
-        info = read_metadata(src)
+        info = ModelInfo.read(src)
         assert info.precision == "fp16" and info.weights == res.info.weights
-        assert {i["name"]: i["dtype"] for i in info.inputs}["hidden_states"] == "float16"
-        assert {o["name"]: o["dtype"] for o in info.outputs}["output"] == "float16"
+        assert {i.name: i.dtype for i in info.inputs}["hidden_states"] == "float16"
+        assert {o.name: o.dtype for o in info.outputs}["output"] == "float16"
     else:
         assert src == res.path.resolve()
     assert side["onnx_sha256"] == sha256_file(src)
@@ -79,23 +81,23 @@ def test_build_every_variant(exported, backend, plugin_lib, tmp_path, variant, f
     assert inputs["hidden_states"]["dtype"] == ("float16" if fp16 else "float32")
     assert inputs["attention_mask"] == {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"],
                                         "role": "attention_mask"}
-    assert [o["name"] for o in side["outputs"]] == (["output", "maw_depth"] if variant == "maw" else ["output"])
-    assert {i["name"] for i in side["inputs"]} == {i["name"] for i in res.info.inputs}
+    assert [o["name"] for o in side["outputs"]] == ["output"] + [o.name for o in get_spec(variant).extra_outputs]
+    assert {i["name"] for i in side["inputs"]} == {i.name for i in res.info.inputs}
 
     # Plugin layers: every attnx custom node became a plugin layer, none inlined.
     assert side["plugins"]["sha256"] == sha256_file(plugin_lib)
     assert Path(side["plugins"]["path"]) == Path(plugin_lib).resolve()
-    assert side["custom_nodes"] == CUSTOM.get(variant, {})
-    n_custom = sum(CUSTOM.get(variant, {}).values())
+    assert side["custom_nodes"] == custom_nodes(variant)
+    n_custom = sum(custom_nodes(variant).values())
     assert built.plugin_layers == side["plugin_layers"] == side["layers"].get("PLUGIN_V3", 0) == n_custom
     assert built.inlined_custom_nodes == side["inlined_custom_nodes"] == 0
     # The plain-attention variants' Attention layers were made buildable (see prepare_attention).
-    if variant in ("mha", "cultural", "metaphor"):
+    if not get_spec(variant).custom_ops:
         assert side["attention"]["layers"] == 2 == side["attention"]["decomposable"]
         assert side["attention"]["mask_casts_bypassed"] == (2 if fp16 else 0)
 
     # What `check` relies on.
-    assert eng.verify_engine_file(out) == side
+    assert verify_engine(out) == side
 
 
 def test_shapes_override_and_options(exported, backend, plugin_lib, tmp_path):
@@ -105,7 +107,7 @@ def test_shapes_override_and_options(exported, backend, plugin_lib, tmp_path):
                       timing_cache=tmp_path / "timing.cache", target="sm86", optimization_level=1)
     side = built.sidecar
     assert side["profiles"] == {"batch": [1, 4, 16], "seq": [2, 64, 256]}
-    d = res.info.config["attention"]["maw"]["d_model"]
+    d = res.info.config["attention"][res.info.variant]["d_model"]
     assert side["profile_shapes"]["hidden_states"] == {"min": [1, 2, d], "opt": [4, 64, d], "max": [16, 256, d]}
     assert side["profile_shapes"]["attention_mask"] == {"min": [1, 2], "opt": [4, 64], "max": [16, 256]}
     assert side["target"] == "sm86" and side["workspace"] == 256 << 20
@@ -126,7 +128,7 @@ def test_default_engine_path_is_beside_the_onnx(exported, backend, plugin_lib, t
     built = eng.build(src, fp16=True)
     assert built.onnx_path == tmp_path / "smal-fp16.onnx"
     assert built.engine_path == tmp_path / "smal-fp16.engine"
-    assert eng.sidecar_path(built.engine_path) == tmp_path / "smal-fp16.engine.json"
+    assert sidecar_path(built.engine_path) == tmp_path / "smal-fp16.engine.json"
     assert built.engine_path.is_file() and built.sidecar_path.is_file()
 
 
@@ -147,11 +149,11 @@ def test_ensure_fp16_converts_once_and_keeps_fp16_files(exported, tmp_path):
     # The conversion keeps softmax/LayerNorm/reductions in fp32 and is a valid model.
     model = onnx.load(str(dst))
     onnx.checker.check_model(model)
-    info = read_metadata(model)
+    info = ModelInfo.read(model)
     assert info.precision == "fp16" and info.extra["fp16_source_sha256"] == sha256_file(src)
     # An `attnx export --fp16` of the same weights is reused rather than overwritten.
     fp16_export = exported("cultural", fp16=True)
-    assert eng._same_fp16(fp16_export.path, res.path, res.info, sha256_file(res.path))
+    assert engine_fp16._same_fp16(fp16_export.path, res.path, res.info, sha256_file(res.path))
 
 
 def test_parse_shapes():
@@ -160,7 +162,7 @@ def test_parse_shapes():
     assert eng.parse_shapes(["seq=128"]) == {"seq": (128, 128, 128)}
     for bad, words in [("batch", "axis=min,opt,max"), ("heads=1,2,3", "unknown axis"), ("batch=1,2", "three"),
                        ("batch=4,2,1", "min <= opt <= max"), ("seq=0,1,2", "min <= opt"), ("batch=a,b,c", "three")]:
-        with pytest.raises(eng.EngineBuildError, match=words):
+        with pytest.raises(ContractError, match=words):
             eng.parse_shapes([bad])
 
 
@@ -176,19 +178,19 @@ def test_parse_size():
 def test_corrupt_and_foreign_files(exported, backend, plugin_lib, tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x08\x07garbage" * 50)
-    with pytest.raises(eng.EngineBuildError, match="not a readable ONNX file"):
+    with pytest.raises(ContractError, match="not a readable ONNX file"):
         eng.build(bad, tmp_path / "bad.engine")
     res = exported("mha")
     built = eng.build(res.path, tmp_path / "m.engine")
     data = bytearray(built.engine_path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     built.engine_path.write_bytes(bytes(data))
-    with pytest.raises(eng.EngineBuildError, match="corrupt"):
-        eng.verify_engine_file(built.engine_path)
+    with pytest.raises(ContractError, match="corrupt"):
+        verify_engine(built.engine_path)
     text = tmp_path / "notes.engine"
     text.write_text("hello")
-    with pytest.raises(eng.EngineBuildError, match="not a TensorRT engine"):
-        eng.verify_engine_file(text)
+    with pytest.raises(ContractError, match="not a TensorRT engine"):
+        verify_engine(text)
     with pytest.raises(eng.EngineBuildError, match="does not exist"):
         eng.build(exported("maw").path, tmp_path / "x.engine", plugins=tmp_path / "missing.so")
 

@@ -1,6 +1,7 @@
-"""`attnx.runtime.parity`: Polygraphy's Comparator over the PyTorch reference, ONNX Runtime on both
+"""`attnx.parity`: Polygraphy's Comparator over the PyTorch reference, ONNX Runtime on both
 lowerings and (where it can run) the engine. Passes on every variant in fp32 and fp16, fails on a
-model whose weights were changed after export, reports maw depth ties instead of hiding them."""
+model whose weights were changed after export, reports ties of an exact output (a variant's
+decision at a near-equal margin, e.g. MAW's depth) instead of hiding them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,20 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from attnx.runtime import engine as eng
-from attnx.runtime import parity
+from attnx import engine as eng
+from attnx import parity
+from attnx.contract import ContractError
+from attnx.models import VARIANTS, get_spec
 
-VARIANTS = ("mha", "cultural", "metaphor", "maw", "smal")
+
+def _tie_output(variant: str):
+    """The variant's exact extra output with a decision margin (None when it has none)."""
+    return next((o for o in get_spec(variant).extra_outputs if o.exact and o.margin is not None), None)
+
+
+#: A variant with an exact output that can tie (MAW's depth), from the registry.
+TIE_VARIANT = next(v for v in VARIANTS if _tie_output(v) is not None)
+TIE_OUTPUT = _tie_output(TIE_VARIANT).name
 
 
 def _copy_export(res, folder: Path, name: str | None = None) -> Path:
@@ -52,17 +63,20 @@ def test_check_passes_on_every_variant(exported, tmp_path, variant, fp16):
     assert report.passed, report.mismatches()
     precision = "fp16" if fp16 else "fp32"
     assert report.precision == precision
-    outputs = ["output", "maw_depth"] if variant == "maw" else ["output"]
+    spec = get_spec(variant)
+    exact = {o.name for o in spec.extra_outputs if o.exact}
+    outputs = ["output"] + [o.name for o in spec.extra_outputs]
     pairs = {(c.runner, c.output) for c in report.comparisons}
     assert pairs == {(r, o) for r in ("onnxrt-plugin", "onnxrt-rewrite") for o in outputs}
     assert all(c.reference == "torch" for c in report.comparisons)
     for c in report.comparisons:
-        atol, rtol, mean_atol = parity.TOLERANCES[precision][c.output]
+        default = parity.EXACT if c.output in exact else parity.DEFAULT_TOLERANCES[precision]
+        atol, rtol, mean_atol = spec.tolerances.get(precision, {}).get(c.output, default)
         assert (c.atol, c.rtol, c.mean_atol) == (atol, rtol, mean_atol)
-        assert c.max_abs <= max(atol, 1e-12) * (1 if c.output == "maw_depth" else 50)
+        assert c.max_abs <= max(atol, 1e-12) * (1 if c.output in exact else 50)
         assert len(c.iterations) == len(report.cases)
-    if variant == "maw":
-        assert {c.atol for c in report.comparisons if c.output == "maw_depth"} == {0.0}  # exact
+    for name in exact:
+        assert {c.atol for c in report.comparisons if c.output == name} == {0.0}  # exact
     if not fp16:
         assert max(c.max_abs for c in report.comparisons) < 1e-4
     # The other lowering was re-exported from the reference into <workdir>/parity/.
@@ -72,8 +86,8 @@ def test_check_passes_on_every_variant(exported, tmp_path, variant, fp16):
 
 
 def test_check_fails_on_weights_changed_after_export(exported, tmp_path):
-    res = exported("maw")
-    path = _copy_export(res, tmp_path / "m", "maw-perturbed.onnx")
+    res = exported(TIE_VARIANT)
+    path = _copy_export(res, tmp_path / "m", "perturbed.onnx")
     # The reference weights are named in the metadata: keep them (that is the point).
     name = _perturb(path)
     report = parity.run_check(path, workdir=tmp_path)
@@ -109,14 +123,13 @@ def test_report_json(exported, tmp_path):
     for c in data["comparisons"]:
         assert {"runner", "output", "max_abs", "max_rel", "mean_abs", "atol", "rtol", "passed", "iterations"} <= set(c)
         assert [it["case"] for it in c["iterations"]] == ["2x9", "1x3"]
-    assert data["mismatches"] == [] and data["depth_ties"] == []
+    assert data["mismatches"] == [] and data["ties"] == []
 
 
 def test_engine_is_verified_and_reported_where_it_cannot_run(exported, tmp_path):
-    tb = pytest.importorskip("attnx.runtime.tensorrt_backend")
-    if not tb.is_available() or tb.gpu_compute_capability() is not None:
+    if not eng.is_available() or eng.gpu_compute_capability() is not None:
         pytest.skip("needs TensorRT and no GPU (the 'cannot run here' path)")
-    res = exported("maw")
+    res = exported(TIE_VARIANT)
     path = _copy_export(res, tmp_path / "m")
     built = eng.build(path, shapes={"batch": (1, 2, 3), "seq": (1, 8, 20)})
     report = parity.run_check(path, engine=built.engine_path, workdir=tmp_path)
@@ -132,14 +145,14 @@ def test_engine_is_verified_and_reported_where_it_cannot_run(exported, tmp_path)
     with pytest.raises(parity.ParityError, match="outside the engine's profile"):
         parity.run_check(path, engine=built.engine_path, workdir=tmp_path, case_specs=["4x8"])
     # An engine built from another file is refused.
-    other = _copy_export(exported("maw", d_model=16), tmp_path / "o")
+    other = _copy_export(exported(TIE_VARIANT, d_model=16), tmp_path / "o")
     with pytest.raises(parity.ParityError, match="was built from"):
         parity.run_check(other, engine=built.engine_path, workdir=tmp_path)
     # A changed engine is refused.
     data = bytearray(built.engine_path.read_bytes())
     data[-10] ^= 0x55
     built.engine_path.write_bytes(bytes(data))
-    with pytest.raises(eng.EngineBuildError, match="corrupt"):
+    with pytest.raises(ContractError, match="corrupt"):
         parity.run_check(path, engine=built.engine_path, workdir=tmp_path)
 
 
@@ -154,7 +167,7 @@ def test_data_loader_covers_batches_lengths_and_padding(exported):
     assert len(feeds) == len(cases)
     padded = 0
     for case, feed in zip(cases, feeds):
-        assert list(feed) == [i["name"] for i in info.inputs]
+        assert list(feed) == [i.name for i in info.inputs]
         assert feed["hidden_states"].shape == (case.batch, case.seq, model.d_model)
         assert feed["hidden_states"].dtype == np.float32
         mask = feed["attention_mask"]
@@ -180,7 +193,7 @@ def test_parse_cases():
 def test_runners_are_polygraphy_runners(exported):
     from polygraphy.backend.base import BaseRunner
 
-    res = exported("maw")
+    res = exported(TIE_VARIANT)
     runner = parity.TorchReferenceRunner.from_onnx(res.path)
     assert isinstance(runner, BaseRunner) and issubclass(parity.EngineRunner, BaseRunner)
     model, info = parity.load_reference(res.path)
@@ -189,9 +202,10 @@ def test_runners_are_polygraphy_runners(exported):
         meta = runner.get_input_metadata(use_numpy_dtypes=False)
         assert list(meta) == ["hidden_states", "attention_mask"]
         out = runner.infer(feed)
-    assert out["output"].shape == (2, 6, model.d_model) and out["maw_depth"].dtype == np.int64
-    assert out[parity.MARGIN_KEY].shape == (2, 2)  # [maw layers, batch]
-    assert (out[parity.MARGIN_KEY] >= 0).all()
+    assert out["output"].shape == (2, 6, model.d_model) and out[TIE_OUTPUT].dtype == np.int64
+    margins = out[parity.MARGIN_PREFIX + TIE_OUTPUT]
+    assert margins.shape == (2, 2)  # [layers, batch]
+    assert (margins >= 0).all()
 
 
 def _iteration(name, outputs):
@@ -203,19 +217,21 @@ def _iteration(name, outputs):
 @pytest.mark.parametrize("margin,tied", [(1e-3, True), (0.5, False)])
 def test_depth_flip_at_a_near_tie_is_reported_not_hidden(margin, tied):
     """Row 1 picks another depth; the reference's top-2 policy logits differ by ``margin``."""
+    tie_margin = _tie_output(TIE_VARIANT).tie_margin["fp16"]
     from polygraphy.comparator import Comparator, RunResults
 
     rng = np.random.default_rng(0)
     ref_out = rng.standard_normal((3, 4, 8)).astype(np.float32)
     out = ref_out.astype(np.float16)
     out[1] += np.float16(0.5)  # the other depth changes that row's output
-    ref = {"output": ref_out, "maw_depth": np.array([0, 2, 1]), parity.MARGIN_KEY: np.array([[0.4, margin, 0.3]])}
-    run = {"output": out, "maw_depth": np.array([0, 1, 1])}
+    ref = {"output": ref_out, TIE_OUTPUT: np.array([0, 2, 1]),
+           parity.MARGIN_PREFIX + TIE_OUTPUT: np.array([[0.4, margin, 0.3]])}
+    run = {"output": out, TIE_OUTPUT: np.array([0, 1, 1])}
     results = RunResults()
     results.append(("torch", [_iteration("torch", ref)]))
     results.append(("onnxrt-plugin", [_iteration("onnxrt-plugin", run)]))
-    tracker = parity._TieTracker(parity.TIE_MARGIN["fp16"])
-    tol = parity.TOLERANCES["fp16"]
+    tracker = parity.TieTracker({TIE_OUTPUT: tie_margin}, ["output"])
+    tol = {"output": parity.DEFAULT_TOLERANCES["fp16"], TIE_OUTPUT: parity.EXACT}
     funcs = [parity.TieAwareCompareFunc(tracker=tracker, atol={k: v[0] for k, v in tol.items()},
                                         rtol={k: v[1] for k, v in tol.items()}),
              parity.TieAwareCompareFunc(tracker=tracker, atol={k: v[2] for k, v in tol.items()}, rtol=0.0,
@@ -226,9 +242,9 @@ def test_depth_flip_at_a_near_tie_is_reported_not_hidden(margin, tied):
     if tied:
         assert len(tracker.ties) == 1
         tie = tracker.ties[0]
-        assert (tie["row"], tie["reference_depth"], tie["depth"]) == (1, 2, 1)
-        assert tie["margin"] == pytest.approx(margin) and tie["output_max_abs"] > 0.4
-        comparisons = parity._summarize(accuracy[0], accuracy[1], tol, tracker.ties, [parity.Case(3, 4, (4, 4, 4))])
+        assert (tie["row"], tie["output"], tie["reference_value"], tie["value"]) == (1, TIE_OUTPUT, 2, 1)
+        assert tie["margin"] == pytest.approx(margin) and tie["row_max_abs"] > 0.4
+        comparisons = parity.summarize(accuracy[0], accuracy[1], tol, tracker.ties, [parity.Case(3, 4, (4, 4, 4))])
         assert all(c.passed for c in comparisons) and all(c.ties == 1 for c in comparisons)
     else:
         assert tracker.ties == []
@@ -248,7 +264,7 @@ def test_setup_errors(exported, tmp_path):
         parity.run_check(bare, workdir=tmp_path)
     junk = tmp_path / "junk.onnx"
     junk.write_bytes(b"\x12\x34not onnx")
-    with pytest.raises(eng.EngineBuildError, match="not a readable ONNX file"):
+    with pytest.raises(ContractError, match="not a readable ONNX file"):
         parity.run_check(junk, workdir=tmp_path)
 
 
@@ -259,7 +275,7 @@ class _OrtAsEngine:
     def __init__(self, onnx_path: Path, defect: float = 0.0):
         import onnxruntime as ort
 
-        from attnx.runtime.tensorrt_backend import IOTensor
+        from attnx.engine import IOTensor
 
         self.sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
         self.defect = defect
@@ -282,10 +298,9 @@ class _OrtAsEngine:
 @pytest.mark.parametrize("defect", [0.0, 0.01])
 def test_engine_runner_joins_the_comparison_where_it_can_run(exported, tmp_path, monkeypatch, defect):
     """The wiring for a machine with the right GPU: the engine is a fourth Polygraphy runner."""
-    tbm = pytest.importorskip("attnx.runtime.tensorrt_backend")
-    if not tbm.is_available():
+    if not eng.is_available():
         pytest.skip("needs TensorRT to build the engine")
-    res = exported("maw")
+    res = exported(TIE_VARIANT)
     path = _copy_export(res, tmp_path / "m")
     built = eng.build(path)
     opened = []
@@ -296,13 +311,13 @@ def test_engine_runner_joins_the_comparison_where_it_can_run(exported, tmp_path,
             opened.append(self.engine)
         return self.engine
 
-    monkeypatch.setattr(parity, "_engine_status", lambda engine, sidecar: (True, ""))
+    monkeypatch.setattr(eng.runner, "runnable_here", lambda sidecar: (True, ""))
     monkeypatch.setattr(parity.EngineRunner, "open", fake_open)
     report = parity.run_check(path, engine=built.engine_path, workdir=tmp_path)
     assert report.engine["ran"] is True and opened and opened[0].closed
     trt = {c.output: c for c in report.comparisons if c.runner == "tensorrt"}
-    assert set(trt) == {"output", "maw_depth"}
-    assert trt["maw_depth"].passed
+    assert set(trt) == {"output", TIE_OUTPUT}
+    assert trt[TIE_OUTPUT].passed
     if defect:
         assert not report.passed and not trt["output"].passed
         assert any(m.startswith("tensorrt vs torch: output") for m in report.mismatches())

@@ -1,5 +1,5 @@
 """The plugins inside TensorRT (TensorRT-RTX here, installed by the test set-up from PyPI) and the
-backend adapter (``attnx.runtime.tensorrt_backend``).
+TensorRT layer (``attnx.engine``).
 
 - backend selection logic, exercised with fake packages (no TensorRT needed);
 - the library loads through the plugin registry; the ONNX parser with the plugin-override flag
@@ -20,10 +20,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from attnx import plugins
+from attnx.contract import DOMAIN, IR_VERSION, ONNX_OPSET
 from attnx.export import ops
-from attnx.runtime import tensorrt_backend as tb
+from attnx import engine as tb
+from attnx.engine import discovery, targets
+from attnx.engine import plugins as engine_plugins
 
 FLOAT, HALF, INT64, INT32 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.INT64, TensorProto.INT32
+MAW_DEPTH_SELECT, TTA_DISTANCE = "MawDepthSelect", "TtaDistance"  # the plugins' op types
 
 
 # ------------------------------------------------------------------------------------------ fixtures
@@ -52,7 +56,7 @@ def loaded(trt_info, plugin_lib) -> tb.PluginLibrary:
 def make_model(path: Path, nodes, inputs, outputs, metadata: dict | None = None) -> Path:
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(*i) for i in inputs],
                               [helper.make_tensor_value_info(*o) for o in outputs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ops.ONNX_OPSET)], ir_version=ops.IR_VERSION)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)], ir_version=IR_VERSION)
     ops.attach_functions(model)
     for k, v in (metadata or {}).items():
         model.metadata_props.add(key=k, value=v)
@@ -67,9 +71,9 @@ def both_ops_model(path: Path, dtype=FLOAT, *, dh: int = 8, trace_size: int | No
     ts = trace_size or dh
     return make_model(
         path,
-        [ops.make_node(ops.MAW_DEPTH_SELECT, ["q_depth", "k_depth", "policy"], ["logits", "depth"], name="maw0",
+        [ops.make_node(MAW_DEPTH_SELECT, ["q_depth", "k_depth", "policy"], ["logits", "depth"], name="maw0",
                        scale=0.25),
-         ops.make_node(ops.TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta0")],
+         ops.make_node(TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta0")],
         [("q_depth", dtype, ["batch", 4, "seq", depth]), ("k_depth", dtype, ["batch", 4, "seq", depth]),
          ("policy", dtype, [policy_batch, policy_depth or depth]),
          ("q", dtype, ["batch", 4, "seq", dh]), ("k", dtype, ["batch", 4, "seq", k_head or dh]),
@@ -130,13 +134,13 @@ def test_tensorrt_stub_package_is_not_taken(monkeypatch):
     stub.__version__ = "10.14.1"
     monkeypatch.setitem(sys.modules, "tensorrt", stub)
     with pytest.raises(ImportError, match="stub"):
-        tb._import_tensorrt()
-    info = tb.select_backend("auto", {"tensorrt": tb._import_tensorrt, "tensorrt-rtx": _fake_module("1.7.1")})
+        discovery._import_tensorrt()
+    info = tb.select_backend("auto", {"tensorrt": discovery._import_tensorrt, "tensorrt-rtx": _fake_module("1.7.1")})
     assert info.is_rtx
 
 
 def test_environment_variable_forces_the_backend(monkeypatch):
-    monkeypatch.setattr(tb, "IMPORTERS", {"tensorrt": _missing("tensorrt"), "tensorrt-rtx": _fake_module("1.7.1")})
+    monkeypatch.setattr(discovery, "IMPORTERS", {"tensorrt": _missing("tensorrt"), "tensorrt-rtx": _fake_module("1.7.1")})
     monkeypatch.setenv(tb.BACKEND_ENV, "tensorrt")
     tb.reset_backend()
     try:
@@ -158,10 +162,10 @@ class _FakeConfig:
 
 def test_full_tensorrt_builds_for_the_local_gpu_only(monkeypatch):
     info = tb.BackendInfo("tensorrt", "10.14.1", False, module=types.SimpleNamespace())
-    monkeypatch.setattr(tb, "gpu_compute_capability", lambda: None)
+    monkeypatch.setattr(targets, "gpu_compute_capability", lambda: None)
     with pytest.raises(tb.BuildError, match="local GPU and none was found"):
         tb.apply_target(_FakeConfig(), "sm89", info)
-    monkeypatch.setattr(tb, "gpu_compute_capability", lambda: (8, 9))
+    monkeypatch.setattr(targets, "gpu_compute_capability", lambda: (8, 9))
     assert tb.apply_target(_FakeConfig(), None, info) == "sm89"
     assert tb.apply_target(_FakeConfig(), "8.9", info) == "sm89"
     with pytest.raises(tb.BuildError, match=r"local GPU \(sm89\), not sm80"):
@@ -180,10 +184,10 @@ def test_rtx_targets(monkeypatch):
     assert config.num_compute_capabilities == 1 and config.calls == [("SM89", 0)]
     with pytest.raises(tb.BuildError, match="cannot target sm90"):
         tb.apply_target(_FakeConfig(), "sm90", info)
-    monkeypatch.setattr(tb, "gpu_compute_capability", lambda: None)
+    monkeypatch.setattr(targets, "gpu_compute_capability", lambda: None)
     with pytest.raises(tb.BuildError, match="needs a target compute capability"):
         tb.apply_target(_FakeConfig(), None, info)
-    monkeypatch.setattr(tb, "gpu_compute_capability", lambda: (8, 6))
+    monkeypatch.setattr(targets, "gpu_compute_capability", lambda: (8, 6))
     config = _FakeConfig()
     assert tb.apply_target(config, None, info) == "sm86" and config.calls == [("CURRENT", 0)]
 
@@ -212,12 +216,15 @@ def test_rtx_parser_library_name_is_fixed(rtx):
     import tensorrt_rtx_libs
 
     folder = Path(tensorrt_rtx_libs.__file__).parent
-    assert (folder / "libtensorrt_rtx.so").exists() or tb._rtx_link_problem is None
+    assert (folder / "libtensorrt_rtx.so").exists() or discovery.rtx_link_problem() is None
 
 
 def test_library_loads_through_the_registry(loaded, trt_info, plugin_lib):
     assert loaded.path == plugin_lib.resolve()
-    assert set(tb.ATTNX_PLUGINS) <= set(loaded.creators)
+    from attnx.contract import PLUGIN_NAMESPACE, PLUGIN_VERSION
+    from attnx.models.spec import all_custom_ops
+
+    assert {(op.name, PLUGIN_VERSION, PLUGIN_NAMESPACE) for op in all_custom_ops()} <= set(loaded.creators)
     registry = trt_info.module.get_plugin_registry()
     creator = registry.get_creator("MawDepthSelect", "1", "attnx")
     assert creator is not None
@@ -259,7 +266,7 @@ def test_without_the_plugins_the_bodies_are_inlined(trt_info, tmp_path):
     import subprocess
 
     path = both_ops_model(tmp_path / "m.onnx")
-    code = ("import json, sys; from attnx.runtime import tensorrt_backend as tb; "
+    code = ("import json, sys; from attnx import engine as tb; "
             "print(json.dumps(tb.parse_onnx(sys.argv[1], plugins=False).layer_type_counts()))")
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -273,7 +280,7 @@ def test_without_the_plugins_the_bodies_are_inlined(trt_info, tmp_path):
 def test_lq_differs_from_lk(loaded, tmp_path):
     path = make_model(
         tmp_path / "lqlk.onnx",
-        [ops.make_node(ops.TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta_cross")],
+        [ops.make_node(TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta_cross")],
         [("q", FLOAT, ["batch", 2, "lq", 16]), ("k", FLOAT, ["batch", 2, "lk", 16]), ("trace", FLOAT, [1, 2, 16, 16])],
         [("dist", FLOAT, ["batch", 2, "lq", "lk"])])
     net = tb.parse_onnx(path)
@@ -336,7 +343,7 @@ def test_malformed_models_fail_with_the_plugin_message(loaded, tmp_path, kwargs,
 
 
 def test_missing_scale_attribute(loaded, tmp_path):
-    node = helper.make_node(ops.MAW_DEPTH_SELECT, ["q", "k", "p"], ["l", "d"], name="maw_noscale", domain=ops.DOMAIN,
+    node = helper.make_node(MAW_DEPTH_SELECT, ["q", "k", "p"], ["l", "d"], name="maw_noscale", domain=DOMAIN,
                             plugin_version="1", plugin_namespace="attnx")
     path = make_model(tmp_path / "noscale.onnx", [node],
                       [("q", FLOAT, ["batch", 2, "seq", 5]), ("k", FLOAT, ["batch", 2, "seq", 5]), ("p", FLOAT, ["batch", 5])],
@@ -362,7 +369,7 @@ def test_profile_inconsistency_fails_the_build(rtx, loaded, tmp_path, policy_bat
 
 def test_models_with_custom_ops_need_the_library(trt_info, tmp_path, monkeypatch):
     monkeypatch.setattr(plugins, "library_path", lambda: None)
-    monkeypatch.setattr(tb, "_loaded_plugins", {})
+    monkeypatch.setattr(engine_plugins, "_loaded_plugins", {})
     with pytest.raises(tb.PluginLoadError, match="attnx plugins build"):
         tb.parse_onnx(both_ops_model(tmp_path / "m.onnx"))
 
@@ -384,7 +391,7 @@ def real_exports(exported):
 def test_real_export_parses_to_plugin_layers(loaded, real_exports, variant, fp16):
     result = real_exports[(variant, fp16)]
     model = onnx.load(str(result.path), load_external_data=False)
-    custom = [n for n in model.graph.node if n.domain == ops.DOMAIN]
+    custom = [n for n in model.graph.node if n.domain == DOMAIN]
     assert custom, "the plugin lowering should contain attnx nodes"
     net = tb.parse_onnx(result.path)
     counts = net.layer_type_counts()
@@ -406,3 +413,61 @@ def test_real_export_builds_an_sm89_engine(rtx, loaded, real_exports, variant, f
     result = real_exports[(variant, fp16)]
     plan = tb.build_engine(result.path, target="sm89")  # profiles from the export's metadata
     assert len(plan) > 1000
+
+
+# ------------------------------------------------------------------------------------------ MawDepthGather
+
+GATHER_PROFILES = {"batch": (1, 2, 4), "seq": (1, 16, 64), "kseq": (1, 8, 32)}
+
+
+def gather_model(path: Path, dtype=FLOAT, *, depth: int = 5, k_depth: int | None = None, q_rank: int = 4) -> Path:
+    """One attnx::MawDepthGather node, hand-built (no function body: TensorRT must use the plugin);
+    Lq ("seq") and Lk ("kseq") differ."""
+    node = helper.make_node("MawDepthGather", ["q_depth", "k_depth", "policy"], ["q_sel", "k_sel", "depth"],
+                            name="gather0", domain="attnx", plugin_version="1", plugin_namespace="attnx")
+    q_shape = ["batch", 4, "seq", depth] if q_rank == 4 else ["batch", "seq", depth]
+    return make_model(
+        path, [node],
+        [("q_depth", dtype, q_shape), ("k_depth", dtype, ["batch", 4, "kseq", k_depth or depth]),
+         ("policy", dtype, ["batch", depth])],
+        [("q_sel", dtype, ["batch", 4, "seq", 1]), ("k_sel", dtype, ["batch", 4, "kseq", 1]), ("depth", INT64, ["batch"])],
+        metadata={"attnx.profiles": '{"batch": [1, 2, 4], "seq": [1, 16, 64], "kseq": [1, 8, 32]}'},
+    )
+
+
+def test_maw_depth_gather_creator_is_registered(loaded):
+    assert ("MawDepthGather", "1", "attnx") in loaded.creators
+
+
+@pytest.mark.parametrize("dtype,name", [(FLOAT, "float32"), (HALF, "float16")])
+def test_maw_depth_gather_parses_to_a_plugin_layer(loaded, tmp_path, dtype, name):
+    net = tb.parse_onnx(gather_model(tmp_path / f"gather_{name}.onnx", dtype))
+    assert net.layer_type_counts() == {"PLUGIN_V3": 1}
+    assert [n for n, _ in net.plugin_layers()] == ["gather0"]
+    outs = {o.name: o for o in net.outputs}
+    assert outs["q_sel"].shape == (-1, 4, -1, 1) and outs["q_sel"].dtype == name
+    assert outs["k_sel"].shape == (-1, 4, -1, 1) and outs["k_sel"].dtype == name
+    assert outs["depth"].shape == (-1,) and outs["depth"].dtype == "int64"
+
+
+@pytest.mark.rtx
+@pytest.mark.parametrize("dtype,name", [(FLOAT, "fp32"), (HALF, "fp16")])
+def test_maw_depth_gather_builds_an_sm89_engine(rtx, loaded, tmp_path, dtype, name):
+    plan = tb.build_engine(gather_model(tmp_path / f"gather_{name}.onnx", dtype), target="sm89",
+                           profiles=GATHER_PROFILES)
+    assert isinstance(plan, bytes) and len(plan) > 1000
+
+
+BAD_GATHERS = [
+    ("rank", {"q_rank": 3}, "attnx::MawDepthGather node 'gather0': q_depth must have rank 4, got rank 3"),
+    ("depth-size", {"k_depth": 6}, "attnx::MawDepthGather node 'gather0': depth size differs: q_depth[3] is 5 but k_depth[3] is 6"),
+    ("int32", {"dtype": INT32}, "attnx::MawDepthGather node 'gather0': input 'q_depth' is int32; supported: float32 or float16"),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", [b[1:] for b in BAD_GATHERS], ids=[b[0] for b in BAD_GATHERS])
+def test_malformed_maw_depth_gather_fails_with_the_plugin_message(loaded, tmp_path, kwargs, expected):
+    with pytest.raises(tb.ParseError) as e:
+        tb.parse_onnx(gather_model(tmp_path / "bad_gather.onnx", **kwargs))
+    assert expected in str(e.value)
+    assert any(expected in m for m in e.value.errors)

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from attnx.contract import TensorEntry
 from attnx.runtime import InputError, load
-from attnx.runtime.session import OnnxRuntimeSession, OrtOptions, TensorSpec, _merge_specs, ort_providers
+from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions, ort_providers
+from attnx.runtime.session import TensorSpec, merge_specs
 from conftest_runtime import EXPORT_KW, assert_outputs_equal, request
 
 
@@ -54,11 +56,11 @@ def test_maw_matches_the_pytorch_reference(maw, maw_session):
     feeds = request(maw_session, rows=3, length=9, seed=1, pad_to=12)
     out = maw_session.run(feeds)
     with torch.no_grad():
-        ref, depth = maw.model(torch.from_numpy(feeds["hidden_states"]), torch.from_numpy(feeds["attention_mask"]),
-                               return_depth=True)
+        ref, extras = maw.model(torch.from_numpy(feeds["hidden_states"]), torch.from_numpy(feeds["attention_mask"]),
+                                return_extras=True)
     # Padded query rows carry no meaning: compare the real tokens.
     np.testing.assert_allclose(out["output"][:, :9], ref.numpy()[:, :9], atol=1e-4, rtol=0)
-    np.testing.assert_array_equal(out["maw_depth"], depth.numpy())
+    np.testing.assert_array_equal(out["maw_depth"], extras["maw_depth"].numpy())
 
 
 def test_smal_matches_the_pytorch_reference(smal, smal_session):
@@ -162,9 +164,9 @@ def test_engine_that_cannot_run_here_fails_clearly(tmp_path):
 
 
 def test_metadata_names_dims_the_file_left_anonymous():
-    meta = [{"name": "output", "role": "output", "shape": ["batch", "seq", 8]},
-            {"name": "depth", "role": "aux", "shape": ["batch"]}]
-    specs = _merge_specs(
+    meta = [TensorEntry("output", "output", "float32", ("batch", "seq", 8)),
+            TensorEntry("depth", "aux", "int64", ("batch",))]
+    specs = merge_specs(
         [("output", np.dtype(np.float32), ["s0", None, 8]), ("depth", np.dtype(np.int64), [3])], meta, False
     )
     assert specs[0] == TensorSpec("output", np.dtype(np.float32), ("batch", "seq", 8), "output")

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 
 from attnx.runtime import load
-from attnx.runtime.triton_repo import ConfigError, model_config, to_pbtxt, triton_schema, validate_config, write_repository
+from attnx.deploy.triton import ConfigError, model_config, to_pbtxt, triton_schema, validate_config, write_repository
 from conftest_runtime import EXPORT_KW
 
 
@@ -83,7 +83,8 @@ def test_engine_repository_uses_tensorrt_plan_and_ships_the_plugin(maw_path, tmp
 def test_engine_io_from_the_build_sidecar(tmp_path):
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"x")
-    (tmp_path / "m.engine.json").write_text(json.dumps({
+    (tmp_path / "m.engine.json").write_text(json.dumps({  # an attnx sidecar names its engine's sha256
+        "engine_sha256": "0" * 64,
         "backend": "tensorrt_rtx",
         "inputs": [{"name": "hidden_states", "dtype": "float16", "shape": ["batch", "seq", 64]},
                    {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "seq"]}],
@@ -134,6 +135,6 @@ def test_cli_writes_the_latest_export(maw_path, tmp_path):
 
 
 def _enum(value):
-    from attnx.runtime.triton_repo import Enum
+    from attnx.deploy.triton import Enum
 
     return Enum(value)

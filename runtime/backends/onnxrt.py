@@ -1,0 +1,150 @@
+"""ONNX Runtime: :class:`OrtOptions`, :func:`ort_providers`, :class:`OnnxRuntimeSession` (an ``.onnx``
+file), and :func:`onnx_io_specs` (a file's I/O specs without creating a session).
+
+attnx custom ops need nothing here: every one carries a model-local function that ONNX Runtime inlines.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from attnx.contract import ModelInfo, graph_io, load_onnx
+from attnx.runtime.session import FileSpec, Session, TensorSpec, merge_specs
+
+#: ONNX Runtime type strings -> numpy dtypes (the ones attnx models use, plus the usual).
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32,
+    "tensor(uint64)": np.uint64,
+    "tensor(bool)": np.bool_,
+}
+
+
+def default_threads() -> int:
+    """CPUs this process may use (affinity-aware; containers often restrict it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def ort_providers(device: str = "auto") -> list[str]:
+    """Execution providers for ``device``: ``cpu``, ``cuda`` (must exist), or ``auto`` (CUDA when present)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise RuntimeError(
+                "device 'cuda' asked for, but this onnxruntime has no CUDAExecutionProvider "
+                "(install onnxruntime-gpu in place of onnxruntime)"
+            )
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if device == "auto":
+        if "CUDAExecutionProvider" in available:
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ["CPUExecutionProvider"]
+    raise ValueError(f"unknown device {device!r} (cpu, cuda or auto)")
+
+
+@dataclass
+class OrtOptions:
+    """ONNX Runtime settings a service cares about.
+
+    - ``threads``: intra-op threads (default: the CPUs this process may use).
+    - ``spin``: let idle pool threads busy-wait. Off by default: a served model
+      is idle between batches, and spinning threads would steal the cores the
+      HTTP front end and the other models need.
+    - ``optimization``: graph optimization level (``all``, ``extended``, ``basic``, ``none``).
+    """
+
+    device: str = "auto"
+    threads: int | None = None
+    spin: bool = False
+    optimization: str = "all"
+    extra_session_config: dict[str, str] = field(default_factory=dict)
+
+    def session_options(self):
+        """These options as an ``onnxruntime.SessionOptions``."""
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads or default_threads()
+        so.inter_op_num_threads = 1  # one graph at a time per call; parallelism comes from intra-op
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = {
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        }[self.optimization]
+        if not self.spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        for k, v in self.extra_session_config.items():
+            so.add_session_config_entry(k, v)
+        return so
+
+
+class OnnxRuntimeSession(Session):
+    """An ``.onnx`` model on ONNX Runtime. ``InferenceSession.run`` is thread-safe, so is this."""
+
+    platform = "onnxruntime_onnx"
+
+    def __init__(self, path: str | os.PathLike, options: OrtOptions | None = None):
+        import onnxruntime as ort
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no model file at {self.path}")
+        self.options = options or OrtOptions()
+        providers = ort_providers(self.options.device)
+        self._sess = ort.InferenceSession(str(self.path), sess_options=self.options.session_options(),
+                                          providers=providers)
+        self.provider = "onnxruntime:" + self._sess.get_providers()[0]
+        self.metadata = dict(self._sess.get_modelmeta().custom_metadata_map)
+        info = self.info
+        self.inputs = merge_specs(self._file_specs(self._sess.get_inputs()), info.inputs if info else None, True)
+        self.outputs = merge_specs(self._file_specs(self._sess.get_outputs()), info.outputs if info else None, False)
+
+    def _file_specs(self, args) -> list[FileSpec]:
+        out = []
+        for a in args:
+            if a.type not in _ORT_TYPES:
+                raise ValueError(f"{self.path}: tensor {a.name!r} has unsupported type {a.type}")
+            out.append((a.name, np.dtype(_ORT_TYPES[a.type]), list(a.shape)))
+        return out
+
+    def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        values = self._sess.run(output_names, feeds)
+        return dict(zip(output_names, values))
+
+    def close(self) -> None:
+        self._sess = None  # type: ignore[assignment]
+
+
+def onnx_io_specs(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """I/O specs read from an ONNX file's graph and metadata, without creating a session."""
+    model = load_onnx(path)
+    info = ModelInfo.read(model)
+    ins, outs = graph_io(model)
+
+    def file_specs(items) -> list[FileSpec]:
+        return [(name, np.dtype(dtype), dims) for name, dtype, dims in items]
+
+    return (merge_specs(file_specs(ins), info.inputs if info else None, True),
+            merge_specs(file_specs(outs), info.outputs if info else None, False))
