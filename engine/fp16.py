@@ -72,7 +72,7 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     ``(<stem>-fp16.onnx, True)`` converted with :func:`attnx.export.to_fp16` and its metadata
     updated. An existing conversion of the same source (sha256 recorded in
     ``attnx.fp16_source_sha256``) is reused."""
-    from attnx.export.exporter import _save
+    from attnx.export.exporter import save_model
     from attnx.export.fp16 import to_fp16
 
     src = Path(path)
@@ -86,5 +86,5 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     converted = to_fp16(load_onnx(src, with_data=True))
     if info is not None:
         _fp16_info(info, converted, src, dst, source_sha).write(converted)
-    _save(converted, dst)
+    save_model(converted, dst)
     return dst, True

@@ -167,7 +167,7 @@ def _initializer_bytes(model: onnx.ModelProto) -> int:
                for t in model.graph.initializer)
 
 
-def _save(model: onnx.ModelProto, path: Path) -> bool:
+def save_model(model: onnx.ModelProto, path: Path) -> bool:
     """Save (atomically); models past ~2 GB keep their weights in ``<name>.data`` beside the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     external = _initializer_bytes(model) > _EXTERNAL_DATA_BYTES
@@ -271,7 +271,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
         _check(proto)
 
     step("save")
-    _save(proto, path)
+    save_model(proto, path)
     if large:
         _check(proto, path_for_large=path)
     if weights_path is not None:

@@ -37,7 +37,6 @@ into ``W_Q`` (and ``b_Q``), so logits and patterns match but ``hook_q`` is scale
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Sequence

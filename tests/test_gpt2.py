@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")  # a guard only: installed with attnx[dev]
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from attnx.models.encoder import Encoder  # noqa: E402
+from attnx.models.encoder import Block  # noqa: E402
 from attnx.pretrained.gpt2 import GPT2LM, load_gpt2  # noqa: E402
 
 VOCAB, N_POS = 100, 64
@@ -97,18 +97,17 @@ def test_patterns_in_the_cache_equal_transformers_attentions(checkpoint):
     torch.testing.assert_close(logits, out.logits, atol=1e-4, rtol=0)
 
 
-def test_structure_tied_head_and_encoder_hooks(checkpoint):
+def test_structure_tied_head_and_hook_names(checkpoint):
     folder, _ = checkpoint
     lm = load_gpt2(folder)
-    assert isinstance(lm, GPT2LM) and isinstance(lm.encoder, Encoder)
+    assert isinstance(lm, GPT2LM) and all(isinstance(b, Block) for b in lm.blocks)
     assert lm.tied and lm.lm_head.weight is lm.wte.weight
     assert not lm.training
-    blk = lm.encoder.blocks[0]
+    blk = lm.blocks[0]
     assert blk.attn.config.is_causal and blk.mlp.approximate == "tanh" and blk.variant == "mha"
-    # The encoder's own run_with_cache sees the usual names.
-    x = torch.randn(1, 5, 64)
-    _, cache = lm.encoder.run_with_cache(x)
-    assert "blocks.1.attn.hook_pattern" in cache
+    # One naming scheme: the TransformerLens names, whatever wraps the blocks.
+    assert {"hook_embed", "hook_pos_embed", "blocks.1.attn.hook_pattern", "blocks.0.hook_resid_post"} <= \
+        set(lm.hook_points())
     # Ablating a head through run_with_hooks changes the logits; the hook is gone afterwards.
     ids = _ids(batch=1, length=6)
     base = lm(ids)
@@ -194,7 +193,7 @@ def _copy(src, dst, skip=()):
 
 def test_missing_folder_and_files(tmp_path, checkpoint):
     folder, _ = checkpoint
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="no model folder"):
         load_gpt2(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_gpt2(tmp_path)

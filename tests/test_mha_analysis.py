@@ -287,7 +287,9 @@ def test_wrapped_encoder_gpt2lm_and_prefixed_cache_keys():
     from attnx.interp.analysis import pattern_keys
 
     torch.manual_seed(0)
-    lm = GPT2LM(_encoder(is_causal=True), vocab_size=50, n_positions=16).eval()
+    torch.manual_seed(0)
+    lm = GPT2LM({"model_type": "gpt2", "n_layer": 2, "n_embd": D, "n_head": H, "vocab_size": 50,
+                 "n_positions": 16}).eval()
     ids = torch.randint(0, 50, (2, L))
     direct = analyze_heads(lm, ids)
     _, cache = run_with_cache(lm, ids)

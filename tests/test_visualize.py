@@ -193,8 +193,7 @@ def test_visualize_text_end_to_end(tmp_path):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
-    enc = build_encoder("mha", n_layers=2, d_model=32, n_heads=4, is_causal=True, activation="gelu_tanh")
-    lm = GPT2LM(enc, vocab_size=len(words), n_positions=16, tokenizer=tok).eval()
+    lm = tiny_gpt2(len(words), tokenizer=tok)
     out = visualize_text(lm, None, "the cat sat on the mat", tmp_path / "viz", layers=[1], heads=[0, 3], dpi=30)
     assert out["tokens"] == ["the", "cat", "sat", "on", "the", "mat"]
     html = out["html"].read_text(encoding="utf-8")
@@ -204,7 +203,7 @@ def test_visualize_text_end_to_end(tmp_path):
     assert [p.name for p in out["png"]] == ["layer1.png"]
     assert len(out["behaviors"]) == 4
     with pytest.raises(ValueError, match="tokenizer"):
-        visualize_text(GPT2LM(enc, 7, 16), None, "the cat", tmp_path)
+        visualize_text(tiny_gpt2(7), None, "the cat", tmp_path)
 
 
 def test_interpretability_example_runs(tmp_path):
@@ -218,3 +217,11 @@ def test_interpretability_example_runs(tmp_path):
     assert "best head" in res.stdout and "primary" in res.stdout
     for name in ("encoder.html", "encoder/layer0.png", "gpt2/attention.html", "gpt2/layer1.png"):
         assert (tmp_path / name).is_file(), name
+
+
+def tiny_gpt2(vocab_size: int, n_positions: int = 16, tokenizer=None, n_layer: int = 2, seed: int = 0):
+    """An untrained GPT2LM (attnx's GPT-2 host) of a small config, seeded."""
+    torch.manual_seed(seed)
+    cfg = {"model_type": "gpt2", "n_layer": n_layer, "n_embd": 32, "n_head": 4, "vocab_size": vocab_size,
+           "n_positions": n_positions}
+    return GPT2LM(cfg, tokenizer=tokenizer).eval()
