@@ -33,6 +33,27 @@ def exported(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def minilm_export(tmp_path_factory):
+    """``minilm_export(variant="mha", lowering="plugin", fp16=False, **kw) -> ExportResult``: the real
+    all-MiniLM-L6-v2 with ``variant`` placed in it, exported once per session (each export takes ~10 s)."""
+    from attnx.export.pretrained import export_pretrained
+    from attnx.pretrained import minilm_path
+
+    cache = {}
+    folder = tmp_path_factory.mktemp("minilm")
+
+    def get(variant: str = "mha", lowering: str = "plugin", fp16: bool = False, **kw):
+        key = (variant, lowering, fp16, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in cache:
+            name = f"minilm-{variant}-{lowering}-{'fp16' if fp16 else 'fp32'}-{len(cache)}.onnx"
+            cache[key] = export_pretrained(minilm_path(), folder / name, variant=variant, lowering=lowering,
+                                           fp16=fp16, **kw)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def plugin_lib() -> Path:
     """The built attnx plugin library (`make test` builds it first); built here only when missing,
     skipped when nvcc is not there to compile it."""

@@ -4,6 +4,7 @@ compared with transformers / sentence-transformers themselves."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -132,18 +133,8 @@ def test_variant_checkpoint_is_strict(tmp_path, batch):
 # ----------------------------------------------------------------------------- export from token ids
 
 @pytest.fixture(scope="module")
-def minilm_exports(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("minilm")
-    cache = {}
-
-    def get(variant, lowering="plugin", fp16=False):
-        key = (variant, lowering, fp16)
-        if key not in cache:
-            cache[key] = export_pretrained(MINILM, folder / f"{variant}-{lowering}-{fp16}.onnx", variant=variant,
-                                           lowering=lowering, fp16=fp16)
-        return cache[key]
-
-    return get
+def minilm_exports(minilm_export):
+    return minilm_export  # the session's shared exports (tests/conftest.py)
 
 
 def ort_run(path, feeds):
@@ -180,7 +171,7 @@ def test_export_matches_transformers_and_the_reference(variant, minilm_exports, 
     # trained (random) variant parameters: ONNX Runtime equals attnx's torch reference of the placed model
     from attnx.export import export_encoder
 
-    trained = export_encoder(randomize_variant(result.model), tmp_path / "trained.onnx", save_weights=False,
+    trained = export_encoder(randomize_variant(copy.deepcopy(result.model)), tmp_path / "trained.onnx", save_weights=False,
                              profiles=info.profiles)
     got = ort_run(trained.path, feeds)
     with torch.no_grad(), reference():
