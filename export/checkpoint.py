@@ -8,8 +8,9 @@ from pathlib import Path
 from torch import nn
 
 
-def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
-    """Load safetensors weights; any missing, unexpected or mis-shaped tensor is a clear error."""
+def read_checkpoint(model: nn.Module, checkpoint: str | Path, *, required=None, what: str = "model") -> dict:
+    """The tensors of a safetensors file, checked against ``model``: every name in ``required``
+    (default: all of the model's) present, none unknown, none mis-shaped; else one error listing them."""
     from safetensors.torch import load_file
 
     path = Path(checkpoint)
@@ -23,21 +24,20 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
     for name, alias in _aliases(model).items():  # tied weights are stored once (save_checkpoint)
         if name not in state and alias in state:
             state[name] = state[alias]
-    missing = sorted(set(own) - set(state))
+    missing = sorted(set(own if required is None else required) - set(state))
     unexpected = sorted(set(state) - set(own))
-    mismatched = [f"{k} {list(state[k].shape)} (model expects {list(own[k].shape)})"
-                  for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
-    problems = []
-    if missing:
-        problems.append(f"missing {len(missing)}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:4])}"
-                        f"{' ...' if len(unexpected) > 4 else ''}")
-    if mismatched:
-        problems.append(f"wrong shape {len(mismatched)}: {'; '.join(mismatched[:3])}")
+    wrong = [f"{k} {list(state[k].shape)} (model expects {list(own[k].shape)})"
+             for k in sorted(set(own) & set(state)) if state[k].shape != own[k].shape]
+    problems = [f"{label} {len(items)}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+                for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]
     if problems:
-        raise ValueError(f"checkpoint {path.name} does not fit this {getattr(model, 'variant', '')} model: " + " | ".join(problems))
-    model.load_state_dict(state)
+        raise ValueError(f"checkpoint {path.name} does not fit this {what}: " + " | ".join(problems))
+    return state
+
+
+def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
+    """Load safetensors weights; any missing, unexpected or mis-shaped tensor is a clear error."""
+    model.load_state_dict(read_checkpoint(model, checkpoint, what=f"{getattr(model, 'variant', '')} model"))
 
 
 def save_checkpoint(model: nn.Module, path: str | Path) -> Path:

@@ -122,24 +122,13 @@ class Encoder(Hooked, nn.Module):
 
     # ---- description -------------------------------------------------------------------------
     def context_inputs(self) -> list[InputSpec]:
-        seen: dict[str, InputSpec] = {}
-        for block in self.blocks:
-            for spec in block.context_inputs():
-                if spec.name in seen and seen[spec.name] != spec:
-                    raise ValueError(f"layers disagree on the context input {spec.name}: {seen[spec.name]} vs {spec}")
-                seen.setdefault(spec.name, spec)
-        return list(seen.values())
+        return context_inputs(self.blocks)
 
     def input_specs(self) -> list[InputSpec]:
         return _hidden_and_mask(self.d_model) + self.context_inputs()
 
     def extra_outputs(self) -> list[tuple[ExtraOutput, int]]:
-        """Each extra output of the variants used, with the index of the last layer that gives it."""
-        found: dict[str, tuple[ExtraOutput, int]] = {}
-        for i, block in enumerate(self.blocks):
-            for out in block.spec.extra_outputs:
-                found[out.name] = (out, i)
-        return list(found.values())
+        return extra_outputs(self.blocks)
 
     def output_specs(self) -> list[OutputSpec]:
         main = OutputSpec("output", ("batch", "seq", self.d_model), "float", Role.OUTPUT, "the last block's output")
@@ -185,6 +174,26 @@ class Encoder(Hooked, nn.Module):
                       return_extras=extras, **context)
         out, found = (result if extras else (result, {}))
         return {"output": out, **found}
+
+
+def context_inputs(blocks) -> list[InputSpec]:
+    """The context inputs of every layer, each once (layers of one variant share its inputs)."""
+    seen: dict[str, InputSpec] = {}
+    for block in blocks:
+        for spec in block.spec.context_inputs(block.config):
+            if spec.name in seen and seen[spec.name] != spec:
+                raise ValueError(f"layers disagree on the context input {spec.name}: {seen[spec.name]} vs {spec}")
+            seen.setdefault(spec.name, spec)
+    return list(seen.values())
+
+
+def extra_outputs(blocks) -> list[tuple[ExtraOutput, int]]:
+    """Each extra output of the variants used, with the index of the last layer that gives it."""
+    found: dict[str, tuple[ExtraOutput, int]] = {}
+    for i, block in enumerate(blocks):
+        for out in block.spec.extra_outputs:
+            found[out.name] = (out, i)
+    return list(found.values())
 
 
 def expand_head_mask(head_mask: torch.Tensor | None, n_layers: int, n_heads: int) -> torch.Tensor | None:

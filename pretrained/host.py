@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from attnx.interp.hooks import HookPoint, Hooked
-from attnx.models.encoder import expand_head_mask, read_extras
+from attnx.models.encoder import context_inputs, expand_head_mask, extra_outputs, read_extras
 from attnx.models.signature import InputSpec
 from attnx.models.spec import ExtraOutput, VariantSpec, get_spec
 
@@ -144,21 +144,13 @@ class Host(Hooked, nn.Module):
         return self.blocks[0].config.n_heads
 
     def context_inputs(self) -> list[InputSpec]:
-        seen: dict[str, InputSpec] = {}
-        for block in self.blocks:
-            for spec in block.spec.context_inputs(block.config):
-                seen.setdefault(spec.name, spec)
-        return list(seen.values())
+        return context_inputs(self.blocks)
 
     def input_specs(self) -> list[InputSpec]:
         return self.base_input_specs() + self.context_inputs()
 
     def extra_outputs(self) -> list[tuple[ExtraOutput, int]]:
-        found: dict[str, tuple[ExtraOutput, int]] = {}
-        for i, block in enumerate(self.blocks):
-            for out in block.spec.extra_outputs:
-                found[out.name] = (out, i)
-        return list(found.values())
+        return extra_outputs(self.blocks)
 
     def output_specs(self) -> list:
         from attnx.contract import Role
@@ -189,27 +181,10 @@ class Host(Hooked, nn.Module):
     def load_variant_checkpoint(self, path: str | Path) -> None:
         """Load the placed variant's trained parameters (and, optionally, fine-tuned pretrained ones);
         strict: every variant parameter must be there, nothing unknown may be."""
-        from safetensors.torch import load_file
+        from attnx.export.checkpoint import read_checkpoint
 
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint not found: {path}")
-        try:
-            state = load_file(str(path))
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"cannot read checkpoint {path}: {e}") from None
-        own = self.state_dict()
-        missing = sorted(set(self.variant_parameter_names()) - set(state))
-        unexpected = sorted(set(state) - set(own))
-        wrong = [f"{k} {list(state[k].shape)} (model expects {list(own[k].shape)})"
-                 for k in sorted(set(state) & set(own)) if state[k].shape != own[k].shape]
-        problems = []
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
-            if items:
-                problems.append(f"{label} {len(items)}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}")
-        if problems:
-            raise ValueError(f"checkpoint {path.name} does not fit this {self.variant} placement: "
-                             + " | ".join(problems))
+        state = read_checkpoint(self, path, required=self.variant_parameter_names(),
+                                what=f"{self.variant} placement")
         self.load_state_dict(state, strict=False)
 
     def metadata_extra(self) -> dict[str, Any]:
