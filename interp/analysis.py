@@ -1,19 +1,22 @@
-"""What each attention head does: entropy and pattern scores from a cached run.
+"""What each attention head does: entropy and pattern scores, and a primary pattern or "mixed".
 
-    behaviors = analyze_heads(model, x, mask)              # runs the model, caches hook_pattern
-    behaviors = analyze_cache(cache, mask, is_causal=True) # or from a cache you already have
-    for b in behaviors:
-        print(b.layer, b.head, b.primary_pattern, b.scores, b.entropy)
+    behaviors = analyze_heads(model, x, mask)                  # torch: runs the model, caches hook_pattern
+    behaviors = analyze_cache(cache, mask, is_causal=True)     # from a run_with_cache cache
+    behaviors = analyze_patterns({0: p0, 3: p3}, mask, sinks=special)   # from any [B, H, L, L] arrays
+    print(format_behaviors(behaviors))
 
-Works on anything whose attention feeds ``blocks.{i}.attn.hook_pattern``
-``[B, H, Lq, Lk]`` (every attnx encoder, and the pretrained hosts that wrap one).
+The numbers are computed with numpy (float64), so the deployed side (an ONNX export's
+``attentions.{i}``, the server's ``/explain`` page) analyses without torch; torch tensors are
+accepted anywhere an array is.
 
 Definitions (per head, pooled over every valid query row of every example)
 -------------------------------------------------------------------------
 A query row ``i`` is *valid* when token ``i`` is real (``attention_mask == 1``)
 and it has at least one allowed key. Allowed keys are the real tokens, and for a
 causal model only ``j <= i``. ``f`` is the example's first real position (the
-BOS / first token; with left padding it is not 0).
+BOS / [CLS] / first token; with left padding it is not 0). The *sink set* ``S`` is
+``{f}`` plus, when ``sinks`` marks them, the special tokens ([CLS], [SEP], BOS, EOS):
+the places heads park attention when they have nothing to do.
 
 - ``entropy``: ``-sum_j A[i, j] log A[i, j]`` in nats, averaged over valid rows.
   A uniform pattern over ``n`` allowed keys gives ``log n``; a one-hot gives 0.
@@ -21,16 +24,16 @@ BOS / first token; with left padding it is not 0).
 
   ============== ====================================================================
   previous_token ``{i - 1}``
-  first_token    ``{f}`` (attention parked on the first token, "BOS sink")
+  first_token    ``S``: the first token and the other sinks ("first-token / sink")
   self           ``{i}`` (the diagonal)
-  local_window   keys with ``1 <= |i - j| <= window`` other than ``i - 1`` and ``f``
+  local_window   keys with ``1 <= |i - j| <= window`` other than ``i - 1``
                  (nearby context beyond the immediate previous token)
   ============== ====================================================================
 
-  The sets are kept disjoint so one behaviour cannot score on two labels: a key
-  that is also ``f`` is removed from the other sets (row ``f + 1``'s previous
-  token *is* the first token, so it counts for neither), and ``first_token``
-  skips rows ``f`` and ``f + 1`` for the same reason. Only allowed keys count.
+  The sets are kept disjoint so one behaviour cannot score on two labels: a sink is
+  removed from the other sets (row ``f + 1``'s previous token *is* the first token, so it
+  counts for neither), and ``first_token`` leaves out ``i`` and ``i - 1`` for the same
+  reason (rows ``f`` and ``f + 1`` drop out when ``S = {f}``). Only allowed keys count.
 
 - ``mass[p]``: the attention mass on ``T(i)`` (in [0, 1]), averaged over rows.
 - ``scores[p]``: mass normalised to *lift over a uniform head*, so the four
@@ -44,10 +47,17 @@ BOS / first token; with left padding it is not 0).
   avoids the target. It is averaged over the valid rows where the target is
   non-empty and ``chance < 1`` (a row with one key, or whose every key is the
   target, says nothing about the head). A pattern with no such row is NaN.
-- ``primary_pattern``: the pattern with the highest score (ties: the order of
-  :data:`PATTERNS`). It is always set, so a diffuse head still gets a label;
-  check ``primary_score`` (or pass ``min_score``) to call such heads ``"diffuse"``.
-  ``"none"`` when no score is defined (e.g. a one-token input).
+
+When a score *stands out* (the primary pattern)
+-----------------------------------------------
+A head is labelled with a pattern only when that pattern's score stands out
+(:class:`Standout`): it is at least ``min_score`` (default 0.5: the head moved at
+least half of the way from a uniform head to putting everything on the target) *and*
+leads the runner-up by at least ``min_margin`` (default 0.2: a head that splits its
+attention between two behaviours is not called one of them). Otherwise the head is
+``"mixed"`` (diffuse heads, heads doing something none of the four patterns describe,
+heads doing two things); ``"none"`` when no score is defined (e.g. a one-token input).
+``best_pattern`` is the highest score whatever its size.
 """
 
 from __future__ import annotations
@@ -57,12 +67,31 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-import torch
-from torch import nn
-
-from attnx.interp.hooks import run_with_cache
+import numpy as np
 
 PATTERNS: tuple[str, ...] = ("previous_token", "first_token", "self", "local_window")
+#: How the patterns read in tables and on the page.
+PATTERN_TITLES = {"previous_token": "previous token", "first_token": "first token / sink", "self": "self",
+                  "local_window": "local window"}
+MIXED = "mixed"
+NO_PATTERN = "none"
+
+
+@dataclass(frozen=True)
+class Standout:
+    """When a pattern's score stands out enough to name the head after it (module docstring)."""
+
+    min_score: float = 0.5
+    min_margin: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not -1.0 <= self.min_score <= 1.0:
+            raise ValueError(f"min_score must be in [-1, 1] (a lift over uniform), got {self.min_score}")
+        if self.min_margin < 0:
+            raise ValueError(f"min_margin must be >= 0, got {self.min_margin}")
+
+
+DEFAULT_STANDOUT = Standout()
 
 
 @dataclass
@@ -73,108 +102,122 @@ class HeadBehavior:
     head: int
     entropy: float  # mean nats over valid query rows
     scores: dict[str, float]  # lift over uniform per pattern, comparable across patterns
-    primary_pattern: str  # argmax of scores (or "diffuse" under min_score)
+    primary_pattern: str  # the pattern whose score stands out, else "mixed" ("none": no score defined)
     mass: dict[str, float] = field(default_factory=dict)  # raw mean attention mass on each target set
 
     @property
+    def best_pattern(self) -> str:
+        """The highest-scoring pattern (ties: the order of :data:`PATTERNS`), standing out or not."""
+        ranked = _ranked(self.scores)
+        return ranked[0][1] if ranked else NO_PATTERN
+
+    @property
     def primary_score(self) -> float:
-        return self.scores.get(self.primary_pattern, float("nan"))
+        return self.scores.get(self.best_pattern, float("nan"))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# --------------------------------------------------------------------------- running the model
+def _ranked(scores: Mapping[str, float]) -> list[tuple[float, str]]:
+    """(score, name) best first; NaN scores left out; ties keep the order of PATTERNS."""
+    finite = [(s, n) for n, s in scores.items() if not math.isnan(s)]
+    order = {n: i for i, n in enumerate(PATTERNS)}
+    return sorted(finite, key=lambda sn: (-sn[0], order.get(sn[1], len(order))))
 
 
-def _n_layers(model: nn.Module) -> int:
-    enc = getattr(model, "encoder", model)
-    return len(enc.blocks)
-
-
-def cache_patterns(model: nn.Module, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   layers: Sequence[int] | None = None, fwd_hooks: Sequence = (), **context) -> dict[str, torch.Tensor]:
-    """Run ``model(inputs, attention_mask, **context)`` once (no grad) and return
-    ``{"blocks.{i}.attn.hook_pattern": [B, H, Lq, Lk]}`` for the chosen layers.
-
-    ``fwd_hooks`` (hook name, fn) run before the caching, so an intervention (e.g. a
-    replaced pattern or an ablated head upstream) is what gets analysed.
-    """
-    n = _n_layers(model)
-    layers = list(range(n)) if layers is None else [int(i) for i in layers]
-    for i in layers:
-        if not 0 <= i < n:
-            raise ValueError(f"layer {i} out of range: the model has {n} layers")
-    names = [f"blocks.{i}.attn.hook_pattern" for i in layers]
-    with torch.no_grad():
-        _, cache = run_with_cache(model, inputs, attention_mask, names_filter=names, fwd_hooks=fwd_hooks, **context)
-    return {n_: cache[n_] for n_ in names}
+def primary_pattern(scores: Mapping[str, float], standout: Standout = DEFAULT_STANDOUT) -> str:
+    """The pattern that stands out (:class:`Standout`), ``"mixed"`` if none does, ``"none"`` without scores."""
+    ranked = _ranked(scores)
+    if not ranked:
+        return NO_PATTERN
+    best, name = ranked[0]
+    runner_up = ranked[1][0] if len(ranked) > 1 else -1.0
+    if best >= standout.min_score and best - runner_up >= standout.min_margin:
+        return name
+    return MIXED
 
 
 # --------------------------------------------------------------------------- the numbers
 
 
-def _target_sets(valid_k: torch.Tensor, is_causal: bool, window: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _as_array(x, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor, without importing torch here
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _target_sets(valid_k: np.ndarray, sinks: np.ndarray | None, is_causal: bool,
+                 window: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """allowed ``[B, L, L]`` and the disjoint target sets ``[B, L, L]`` (bool) per pattern."""
     b, l = valid_k.shape
-    dev = valid_k.device
-    allowed = valid_k[:, None, :].expand(b, l, l)  # [B, Lq, Lk]: real keys
+    allowed = np.broadcast_to(valid_k[:, None, :], (b, l, l))  # [B, Lq, Lk]: real keys
     if is_causal:
-        allowed = allowed & torch.ones(l, l, dtype=torch.bool, device=dev).tril()
-    i = torch.arange(l, device=dev)[:, None]  # [Lq, 1]
-    j = torch.arange(l, device=dev)[None, :]  # [1, Lk]
-    # First real position per example (argmax of a bool row = its first True).
-    first = valid_k.int().argmax(dim=-1)  # [B]
-    is_first = (j == first[:, None, None])  # [B, 1, Lk]
-    diag, prev = (i == j), (j == i - 1)  # [Lq, Lk]
-    near = ((i - j).abs() <= window) & ~diag & ~prev
+        allowed = allowed & np.tri(l, dtype=bool)[None]
+    i = np.arange(l)[:, None]  # [Lq, 1]
+    j = np.arange(l)[None, :]  # [1, Lk]
+    first = valid_k.argmax(axis=-1)  # [B]: first real position (argmax of a bool row = its first True)
+    sink = (j[None] == first[:, None, None])  # [B, 1, Lk]
+    if sinks is not None:
+        sink = sink | (sinks & valid_k)[:, None, :]
+    diag, prev = (i == j)[None], (j == i - 1)[None]  # [1, Lq, Lk]
+    near = (np.abs(i - j) <= window)[None] & ~diag & ~prev
     targets = {
-        "previous_token": prev & ~is_first,
-        "first_token": is_first & ~diag & ~prev,  # rows f and f+1 drop out: ambiguous with self/previous
-        "self": diag & ~is_first,
-        "local_window": near & ~is_first,
+        "previous_token": prev & ~sink,
+        "first_token": sink & ~diag & ~prev,
+        "self": diag & ~sink,
+        "local_window": near & ~sink,
     }
     return allowed, {k: (t & allowed) for k, t in targets.items()}
 
 
-def pattern_stats(pattern: torch.Tensor, attention_mask: torch.Tensor | None = None, *, is_causal: bool = False,
-                  window: int = 3) -> dict[str, torch.Tensor]:
-    """Per-head numbers of one layer's pattern ``[B, H, L, L]``.
+def pattern_stats(pattern, attention_mask=None, *, is_causal: bool = False, window: int = 3,
+                  sinks=None) -> dict[str, np.ndarray]:
+    """Per-head numbers of one layer's pattern ``[B, H, L, L]`` (numpy or torch).
 
+    ``sinks`` ``[B, L]`` (bool) marks special tokens that join the first token's sink set.
     Returns ``entropy`` ``[H]``, and for each name in :data:`PATTERNS` ``score_<name>``
     and ``mass_<name>`` ``[H]`` (NaN where no row is eligible). Definitions: module docstring.
     """
-    if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
-        raise ValueError(f"pattern: expected [B, H, L, L], got {list(pattern.shape)}")
+    p = _as_array(pattern, "pattern").astype(np.float64)  # float64: entropy sums of many small terms
+    if p.ndim != 4 or p.shape[-1] != p.shape[-2]:
+        raise ValueError(f"pattern: expected [B, H, L, L], got {list(p.shape)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    b, h, l, _ = pattern.shape
-    p = pattern.detach().double()  # float64: entropy sums of many small terms
-    if attention_mask is None:
-        valid_k = torch.ones(b, l, dtype=torch.bool, device=p.device)
-    else:
-        if tuple(attention_mask.shape) != (b, l):
+    b, h, l, _ = p.shape
+    valid_k = np.ones((b, l), dtype=bool)
+    if attention_mask is not None:
+        valid_k = _as_array(attention_mask, "attention_mask")
+        if tuple(valid_k.shape) != (b, l):
             raise ValueError(f"attention_mask: expected shape [{b}, {l}] to match the pattern, "
-                             f"got {list(attention_mask.shape)}")
-        valid_k = attention_mask.to(p.device).bool()
-    allowed, targets = _target_sets(valid_k, is_causal, window)
+                             f"got {list(valid_k.shape)}")
+        valid_k = valid_k.astype(bool)
+    sink_mask = None
+    if sinks is not None:
+        sink_mask = _as_array(sinks, "sinks")
+        if tuple(sink_mask.shape) != (b, l):
+            raise ValueError(f"sinks: expected shape [{b}, {l}] to match the pattern, got {list(sink_mask.shape)}")
+        sink_mask = sink_mask.astype(bool)
+    allowed, targets = _target_sets(valid_k, sink_mask, is_causal, window)
     n_allowed = allowed.sum(-1)  # [B, Lq]
     q_valid = valid_k & (n_allowed > 0)  # [B, Lq]: real query rows with something to attend to
 
-    def row_mean(v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def row_mean(v: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """v [B, H, Lq] averaged over rows [B, Lq] -> [H] (NaN if no row)."""
         count = rows.sum()
         if count == 0:
-            return torch.full((h,), float("nan"), dtype=torch.float64)
-        return (v * rows[:, None].to(v.dtype)).sum(dim=(0, 2)).cpu() / count.cpu()
+            return np.full((h,), np.nan)
+        return (v * rows[:, None]).sum(axis=(0, 2)) / count
 
-    out = {"entropy": row_mean(-torch.xlogy(p, p).sum(-1), q_valid)}  # [B, H, Lq] -> [H]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    out = {"entropy": row_mean(-plogp.sum(-1), q_valid)}
     for name, t in targets.items():
         k = t.sum(-1)  # [B, Lq] target keys per row
-        chance = k.to(p.dtype) / n_allowed.clamp(min=1).to(p.dtype)  # [B, Lq] what a uniform row puts on the target
+        chance = k / np.maximum(n_allowed, 1)  # [B, Lq] what a uniform row puts on the target
         eligible = q_valid & (k > 0) & (chance < 1)
-        mass = (p * t[:, None].to(p.dtype)).sum(-1)  # [B, H, Lq]
-        lift = (mass - chance[:, None]) / (1 - chance[:, None]).clamp(min=1e-12)
+        mass = np.einsum("bhqk,bqk->bhq", p, t.astype(np.float64))  # [B, H, Lq]
+        lift = (mass - chance[:, None]) / np.maximum(1 - chance[:, None], 1e-12)
         out[f"mass_{name}"] = row_mean(mass, eligible)
         out[f"score_{name}"] = row_mean(lift, eligible)
     return out
@@ -198,25 +241,34 @@ def pattern_keys(cache: Mapping[str, object]) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
-def _primary(scores: dict[str, float], min_score: float | None) -> str:
-    finite = [(s, -PATTERNS.index(n), n) for n, s in scores.items() if not math.isnan(s)]
-    if not finite:
-        return "none"
-    best, _, name = max(finite)
-    if min_score is not None and best < min_score:
-        return "diffuse"
-    return name
+def analyze_patterns(patterns: Mapping[int, object], attention_mask=None, *, is_causal: bool | Sequence[bool] = False,
+                     window: int = 3, sinks=None, standout: Standout = DEFAULT_STANDOUT) -> list[HeadBehavior]:
+    """:class:`HeadBehavior` per (layer, head) of ``{layer: [B, H, L, L]}`` patterns, layers in order.
 
-
-def analyze_cache(cache: Mapping[str, torch.Tensor], attention_mask: torch.Tensor | None = None, *,
-                  layers: Sequence[int] | None = None, is_causal: bool | Sequence[bool] = False,
-                  window: int = 3, min_score: float | None = None) -> list[HeadBehavior]:
-    """:class:`HeadBehavior` per (layer, head) from a cache holding
-    ``blocks.{i}.attn.hook_pattern`` (e.g. from ``run_with_cache``; see :func:`pattern_keys`).
-
-    ``is_causal`` (one bool, or one per analysed layer) tells which keys were allowed,
-    which sets the chance level; ``analyze_heads`` reads it from the model.
+    ``is_causal`` (one bool, or one per layer) tells which keys were allowed, which sets the chance level.
     """
+    layers = sorted(patterns)
+    if not layers:
+        raise ValueError("no attention patterns to analyse")
+    causal = [bool(is_causal)] * len(layers) if isinstance(is_causal, bool) else [bool(c) for c in is_causal]
+    if len(causal) != len(layers):
+        raise ValueError(f"is_causal has {len(causal)} entries for {len(layers)} layers")
+    result = []
+    for layer, c in zip(layers, causal):
+        stats = pattern_stats(patterns[layer], attention_mask, is_causal=c, window=window, sinks=sinks)
+        for head in range(stats["entropy"].shape[0]):
+            scores = {n: float(stats[f"score_{n}"][head]) for n in PATTERNS}
+            result.append(HeadBehavior(layer=layer, head=head, entropy=float(stats["entropy"][head]), scores=scores,
+                                       primary_pattern=primary_pattern(scores, standout),
+                                       mass={n: float(stats[f"mass_{n}"][head]) for n in PATTERNS}))
+    return result
+
+
+def analyze_cache(cache: Mapping[str, object], attention_mask=None, *, layers: Sequence[int] | None = None,
+                  is_causal: bool | Sequence[bool] = False, window: int = 3, sinks=None,
+                  standout: Standout = DEFAULT_STANDOUT) -> list[HeadBehavior]:
+    """:class:`HeadBehavior` per (layer, head) from a cache holding
+    ``blocks.{i}.attn.hook_pattern`` (e.g. from ``run_with_cache``; see :func:`pattern_keys`)."""
     keys = pattern_keys(cache)
     available = list(keys)
     if layers is None:
@@ -226,41 +278,68 @@ def analyze_cache(cache: Mapping[str, torch.Tensor], attention_mask: torch.Tenso
     missing = [i for i in layers if i not in available]
     if missing:
         raise ValueError(f"the cache has no hook_pattern for layer(s) {missing}; it has {available}")
-    causal = [bool(is_causal)] * len(layers) if isinstance(is_causal, bool) else [bool(c) for c in is_causal]
+    causal = [bool(is_causal)] * len(layers) if isinstance(is_causal, bool) else list(is_causal)
     if len(causal) != len(layers):
         raise ValueError(f"is_causal has {len(causal)} entries for {len(layers)} layers")
-    result = []
-    for layer, c in zip(layers, causal):
-        stats = pattern_stats(cache[keys[layer]], attention_mask, is_causal=c, window=window)
-        for head in range(stats["entropy"].shape[0]):
-            scores = {n: float(stats[f"score_{n}"][head]) for n in PATTERNS}
-            result.append(HeadBehavior(layer=layer, head=head, entropy=float(stats["entropy"][head]), scores=scores,
-                                       primary_pattern=_primary(scores, min_score),
-                                       mass={n: float(stats[f"mass_{n}"][head]) for n in PATTERNS}))
-    return result
+    by_layer = dict(zip(layers, causal))
+    ordered = sorted(layers)
+    return analyze_patterns({i: cache[keys[i]] for i in ordered}, attention_mask,
+                            is_causal=[by_layer[i] for i in ordered], window=window, sinks=sinks, standout=standout)
 
 
-def analyze_heads(model: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                  layers: Sequence[int] | None = None, window: int = 3, min_score: float | None = None,
-                  fwd_hooks: Sequence = (), **context) -> list[HeadBehavior]:
-    """Run ``model`` once and analyse its heads.
+# --------------------------------------------------------------------------- running a torch model
+
+
+def _n_layers(model) -> int:
+    enc = getattr(model, "encoder", model)
+    return len(enc.blocks)
+
+
+def cache_patterns(model, inputs, attention_mask=None, *, layers: Sequence[int] | None = None,
+                   fwd_hooks: Sequence = (), **context) -> dict[str, object]:
+    """Run ``model(inputs, attention_mask, **context)`` once (no grad) and return
+    ``{"blocks.{i}.attn.hook_pattern": [B, H, Lq, Lk]}`` for the chosen layers.
+
+    ``fwd_hooks`` (hook name, fn) run before the caching, so an intervention (e.g. a
+    replaced pattern or an ablated head upstream) is what gets analysed.
+    """
+    import torch
+
+    from attnx.interp.hooks import run_with_cache
+
+    n = _n_layers(model)
+    layers = list(range(n)) if layers is None else [int(i) for i in layers]
+    for i in layers:
+        if not 0 <= i < n:
+            raise ValueError(f"layer {i} out of range: the model has {n} layers (0..{n - 1})")
+    names = [f"blocks.{i}.attn.hook_pattern" for i in layers]
+    with torch.no_grad():
+        _, cache = run_with_cache(model, inputs, attention_mask, names_filter=names, fwd_hooks=fwd_hooks, **context)
+    return {n_: cache[n_] for n_ in names}
+
+
+def analyze_heads(model, hidden_states, attention_mask=None, *, layers: Sequence[int] | None = None, window: int = 3,
+                  standout: Standout = DEFAULT_STANDOUT, sinks=None, fwd_hooks: Sequence = (),
+                  **context) -> list[HeadBehavior]:
+    """Run a torch ``model`` once and analyse its heads.
 
     ``model`` is an :class:`~attnx.models.encoder.Encoder` (``hidden_states`` ``[B, L, d_model]``)
     or a wrapper with ``.encoder`` taking token ids (``GPT2LM``: pass ``input_ids``).
-    ``context`` holds the variant's extra inputs (``cultural=...``); ``fwd_hooks`` are
-    applied during the run (analyse a model under an intervention).
+    ``context`` holds the variant's extra inputs; ``fwd_hooks`` are applied during the run
+    (analyse a model under an intervention).
     """
     cache = cache_patterns(model, hidden_states, attention_mask, layers=layers, fwd_hooks=fwd_hooks, **context)
     enc = getattr(model, "encoder", model)
     chosen = list(pattern_keys(cache))
     causal = [bool(getattr(enc.blocks[i].attn.config, "is_causal", False)) for i in chosen]
-    return analyze_cache(cache, attention_mask, layers=chosen, is_causal=causal, window=window, min_score=min_score)
+    return analyze_cache(cache, attention_mask, layers=chosen, is_causal=causal, window=window, sinks=sinks,
+                         standout=standout)
 
 
 def format_behaviors(behaviors: Sequence[HeadBehavior]) -> str:
     """A plain-text table (one row per head) for logs and examples."""
-    lines = [f"{'layer':>5} {'head':>4} {'entropy':>8}  " + " ".join(f"{n[:10]:>10}" for n in PATTERNS) + "  primary"]
+    lines = [f"{'layer':>5} {'head':>4} {'entropy':>8}  " + " ".join(f"{n[:11]:>11}" for n in PATTERNS) + "  primary"]
     for b in behaviors:
         lines.append(f"{b.layer:>5} {b.head:>4} {b.entropy:>8.3f}  "
-                     + " ".join(f"{b.scores[n]:>10.3f}" for n in PATTERNS) + f"  {b.primary_pattern}")
+                     + " ".join(f"{b.scores[n]:>11.3f}" for n in PATTERNS) + f"  {b.primary_pattern}")
     return "\n".join(lines)

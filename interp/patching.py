@@ -4,12 +4,19 @@
     out = run_with_hooks(model, corrupted_x, fwd_hooks=[fn])
     scores = patch_heads(model, clean, corrupted, metric)   # [n_layers, H]: one patched head at a time
     out = model(x, mask, head_mask=hm)                      # hm [n_layers, H], 0 ablates a head
+    report = patching_sweep(torch_source, batch, layer=0)   # text-level: restore each head from the clean run
+
+:func:`patching_sweep` is the torch side of ``attnx explain --ablate``: beside the export's head
+ablation (a head removed) it shows activation patching (a head restored into a corrupted run), so
+the heads a model *needs* and the heads that *carry* the input's information can be told apart.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -57,16 +64,98 @@ def patch_hook(cache: dict, name: str, heads: Sequence[int] | None = None,
 
 
 def patch_heads(model: nn.Module, clean: dict, corrupted: dict, metric: Callable[[torch.Tensor], torch.Tensor],
-                hook: str = "hook_z", positions: Sequence[int] | None = None) -> torch.Tensor:
+                hook: str = "hook_z", positions: Sequence[int] | None = None, *, layers: Sequence[int] | None = None,
+                corrupted_hooks: Sequence = ()) -> torch.Tensor:
     """Activation-patching sweep: for each layer and head, run ``corrupted`` inputs with that
     head's ``hook`` activation taken from the ``clean`` run; return ``metric(output)`` per
-    (layer, head), ``[n_layers, H]``. Inputs are keyword dicts for ``model``."""
-    _, cache = run_with_cache(model, names_filter=lambda n: n.endswith(f"attn.{hook}"), **clean)
-    n_layers, n_heads = len(model.blocks), model.blocks[0].config.n_heads
-    result = torch.zeros(n_layers, n_heads)
+    (layer, head), ``[n_layers, H]`` (NaN for layers not in ``layers``). Inputs are keyword dicts
+    for ``model``; ``corrupted_hooks`` run on every corrupted run (e.g. noise on ``hook_embed``)."""
     with torch.no_grad():
-        for layer in range(n_layers):
+        _, cache = run_with_cache(model, names_filter=lambda n: n.endswith(f"attn.{hook}"), **clean)
+    n_layers, n_heads = len(model.blocks), model.blocks[0].config.n_heads
+    chosen = range(n_layers) if layers is None else list(layers)
+    for layer in chosen:
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"layer {layer} out of range: the model has {n_layers} layers (0..{n_layers - 1})")
+    result = torch.full((n_layers, n_heads), float("nan"))
+    with torch.no_grad():
+        for layer in chosen:
             for head in range(n_heads):
-                fwd = [patch_hook(cache, f"blocks.{layer}.attn.{hook}", heads=[head], positions=positions)]
+                fwd = [*corrupted_hooks,
+                       patch_hook(cache, f"blocks.{layer}.attn.{hook}", heads=[head], positions=positions)]
                 result[layer, head] = metric(run_with_hooks(model, fwd_hooks=fwd, **corrupted)).float()
     return result
+
+
+class NamedOutput(nn.Module):
+    """``forward(**inputs) -> one named output`` of a model with the export signature (``forward_named``),
+    so the hook-based tools (``patch_heads``) drive pretrained hosts and exports' references alike."""
+
+    def __init__(self, model: nn.Module, output: str):
+        super().__init__()
+        self.model, self.output = model, output
+
+    @property
+    def blocks(self):
+        return self.model.blocks
+
+    def forward(self, **inputs) -> torch.Tensor:
+        return self.model.forward_named(inputs)[self.output]
+
+
+@dataclass
+class PatchingReport:
+    """``restored[h]``: the share of the clean-vs-corrupted output distance that restoring head ``h``'s
+    ``hook_z`` (from the clean run) removes; 1 = the head alone restores the clean output."""
+
+    layer: int
+    corruption: str
+    distance_corrupted: float  # the metric's distance of the corrupted run from the clean output
+    restored: list[float]
+
+
+def patching_sweep(source, batch, layer: int, *, corrupt=None, noise: float = 3.0, seed: int = 0,
+                   context=None) -> PatchingReport:
+    """Activation patching of every head of ``layer`` on a torch source (:class:`attnx.interp.source.TorchSource`).
+
+    The corrupted run is ``corrupt`` (another :class:`EncodedBatch` of the same shape) or, by default,
+    the same text with Gaussian noise of ``noise`` x the embeddings' std added to the token embeddings
+    (``hook_embed``; the causal-tracing corruption of Meng et al., 2022), seeded."""
+    from attnx.interp.explain import _feeds, output_metric
+    from attnx.interp.source import ExplainError
+
+    facts = source.facts
+    layer = facts.check_layer(layer)
+    model = NamedOutput(getattr(source.model, "model", source.model), facts.main_output)
+
+    def tensors(b) -> dict:
+        feeds = _feeds(source, b, context, None)
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
+
+    clean = tensors(batch)
+    hooks_: list = []
+    if corrupt is not None:
+        if corrupt.feeds["input_ids"].shape != batch.feeds["input_ids"].shape:
+            raise ExplainError(f"the corrupted text has {corrupt.lengths} tokens, the text {batch.lengths}: "
+                               "patching needs the same number of tokens")
+        corrupted, how = tensors(corrupt), f"text {corrupt.texts[0]!r}"
+    else:
+        def add_noise(x: torch.Tensor, hook) -> torch.Tensor:  # the same noise on every run: a fresh seeded draw
+            return x + noise * x.std() * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+
+        corrupted, how = clean, f"Gaussian noise ({noise:g} x std) on the token embeddings, seed {seed}"
+        hooks_ = [("hook_embed", add_noise)]
+    with torch.no_grad():
+        clean_out = model(**clean).numpy()
+        corrupted_out = run_with_hooks(model, fwd_hooks=hooks_, **corrupted).numpy()
+    mask = batch.attention_mask
+    metric = output_metric(facts, clean_out, mask)
+    base = metric.effect(clean_out, corrupted_out, mask)
+    if not base > 0:
+        raise ExplainError("the corrupted run gives the clean output: nothing for patching to restore")
+
+    def distance(out: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(metric.effect(clean_out, out.numpy(), mask))
+
+    sweep = patch_heads(model, clean, corrupted, distance, layers=[layer], corrupted_hooks=hooks_)[layer]
+    return PatchingReport(layer, how, base, [float(1 - d / base) for d in sweep.tolist()])

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from attnx.models import VARIANTS, build_encoder
-from attnx.interp.analysis import PATTERNS, analyze_cache, analyze_heads, pattern_stats
+from attnx.interp.analysis import (  # noqa: E402
+    MIXED, PATTERNS, Standout, analyze_cache, analyze_heads, analyze_patterns, pattern_stats, primary_pattern,
+)
 from attnx.interp.hooks import run_with_cache
 
 D, H, L = 32, 4, 8
@@ -21,7 +23,7 @@ def _encoder(is_causal: bool = True, variant: str = "mha", **kw):
 # --------------------------------------------------------------------------- reference (plain loops)
 
 
-def reference_stats(P: torch.Tensor, mask, causal: bool, window: int) -> dict[str, list[float]]:
+def reference_stats(P: torch.Tensor, mask, causal: bool, window: int, sinks=None) -> dict[str, list[float]]:
     """The module docstring's definitions, written out one row and one key at a time."""
     B, nh, n, _ = P.shape
     mask = torch.ones(B, n, dtype=torch.long) if mask is None else mask
@@ -31,15 +33,16 @@ def reference_stats(P: torch.Tensor, mask, causal: bool, window: int) -> dict[st
     for b in range(B):
         valid = [bool(v) for v in mask[b]]
         f = valid.index(True) if any(valid) else 0
+        sink = {f} | ({j for j in range(n) if valid[j] and bool(sinks[b, j])} if sinks is not None else set())
         for i in range(n):
             allowed = [j for j in range(n) if valid[j] and (not causal or j <= i)]
             if not valid[i] or not allowed:
                 continue
             sets = {
-                "previous_token": {i - 1} - {f},
-                "first_token": {f} - {i, i - 1},
-                "self": {i} - {f},
-                "local_window": {j for j in range(n) if 1 <= abs(i - j) <= window} - {i - 1, f},
+                "previous_token": {i - 1} - sink,
+                "first_token": sink - {i, i - 1},
+                "self": {i} - sink,
+                "local_window": {j for j in range(n) if 1 <= abs(i - j) <= window} - {i - 1} - sink,
             }
             for h in range(nh):
                 row = P[b, h, i].double()
@@ -93,6 +96,27 @@ def test_matches_loop_reference_on_a_real_model(causal, mask_name, window):
         P = cache.pattern(layer)
         got = pattern_stats(P, mask, is_causal=causal, window=window)
         _assert_stats_equal(got, reference_stats(P, mask, causal, window))
+
+
+def test_matches_loop_reference_with_special_token_sinks():
+    # [CLS] first and [SEP] last (right padding): both are sinks; the sets stay disjoint.
+    torch.manual_seed(4)
+    P = torch.rand(2, 3, L, L) ** 3
+    P = P / P.sum(-1, keepdim=True)
+    mask = MASKS["right"]
+    sinks = torch.zeros(2, L, dtype=torch.bool)
+    sinks[0, [0, L - 1]] = True
+    sinks[1, [0, 4]] = True
+    for causal in (True, False):
+        _assert_stats_equal(pattern_stats(P, mask, is_causal=causal, window=2, sinks=sinks),
+                            reference_stats(P, mask, causal, 2, sinks))
+    # A head parked on [SEP] scores as a sink once [SEP] is marked, not otherwise.
+    sep = torch.zeros(1, 1, L, L)
+    sep[..., L - 1] = 1.0
+    marked = torch.zeros(1, L, dtype=torch.bool)
+    marked[0, [0, L - 1]] = True
+    assert float(pattern_stats(sep, sinks=marked)["score_first_token"][0]) > 0.8  # rows L-2, L-1 see [CLS] only
+    assert float(pattern_stats(sep)["score_first_token"][0]) < 0
 
 
 def test_matches_loop_reference_on_an_arbitrary_pattern():
@@ -160,13 +184,31 @@ def test_other_layers_are_analysed_unplanted():
     both = analyze_heads(enc, x, fwd_hooks=[("blocks.1.attn.hook_pattern", lambda p, h: _planted(L)[None])])
     assert len(both) == 2 * H
     assert [b.primary_pattern for b in both[H:]] == ["previous_token", "first_token", "self", "local_window"]
-    assert all(b.scores[b.primary_pattern] < 0.9 for b in both[:H])  # layer 0: a random head
+    assert all(b.primary_score < 0.9 for b in both[:H])  # layer 0: a random head
 
 
-def test_min_score_marks_diffuse_heads():
+def test_a_label_only_when_a_score_stands_out():
+    # Today's rule (analysis docstring): best >= 0.5 and best - runner-up >= 0.2, else "mixed".
+    assert primary_pattern({"previous_token": 0.9, "first_token": 0.1, "self": -0.1, "local_window": 0.0}) == \
+        "previous_token"
+    assert primary_pattern({"previous_token": 0.05, "first_token": 0.04, "self": 0.0, "local_window": 0.01}) == MIXED
+    assert primary_pattern({"previous_token": 0.6, "first_token": 0.5, "self": 0.0, "local_window": 0.0}) == MIXED
+    assert primary_pattern({"previous_token": 0.45, "first_token": 0.0, "self": 0.0, "local_window": 0.0}) == MIXED
+    assert primary_pattern({"previous_token": float("nan"), "first_token": float("nan"), "self": float("nan"),
+                            "local_window": float("nan")}) == "none"
+    loose = Standout(min_score=0.4, min_margin=0.05)
+    assert primary_pattern({"previous_token": 0.45, "first_token": 0.0, "self": 0.0, "local_window": 0.0},
+                           loose) == "previous_token"
+    with pytest.raises(ValueError, match="min_score"):
+        Standout(min_score=2.0)
+    # A uniform head and a head split between two behaviours are mixed; a planted head is not.
     uniform = torch.full((1, 2, L, L), 1.0 / L)
-    behaviors = analyze_cache({"blocks.0.attn.hook_pattern": uniform}, min_score=0.3)
-    assert all(b.primary_pattern == "diffuse" for b in behaviors)
+    assert all(b.primary_pattern == MIXED for b in analyze_cache({"blocks.0.attn.hook_pattern": uniform}))
+    split = 0.5 * _planted(L)[0] + 0.5 * _planted(L)[1]  # half previous token, half first token
+    planted = torch.stack([_planted(L)[0], split])[None]
+    behaviors = analyze_patterns({0: planted}, is_causal=True)
+    assert [b.primary_pattern for b in behaviors] == ["previous_token", MIXED]
+    assert behaviors[1].best_pattern in ("previous_token", "first_token") and behaviors[1].primary_score > 0.3
 
 
 # --------------------------------------------------------------------------- entropy and masking
@@ -258,7 +300,7 @@ def test_every_variant_encoder(variant):
     assert len(behaviors) == 2 * H
     for b in behaviors:
         assert 0.0 <= b.entropy <= math.log(L) + 1e-6
-        assert b.primary_pattern in PATTERNS
+        assert b.primary_pattern in PATTERNS + (MIXED,)
         assert set(b.scores) == set(PATTERNS)
         assert all(-1e-9 <= m <= 1 + 1e-9 for m in b.mass.values())
 
