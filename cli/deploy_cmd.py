@@ -1,4 +1,4 @@
-"""`attnx triton-repo`: going past one machine (a Triton Inference Server model repository)."""
+"""`attnx triton-repo`: going past one machine (a Triton model repository, a KServe InferenceService)."""
 
 from __future__ import annotations
 
@@ -16,35 +16,72 @@ def register(app: typer.Typer) -> None:
     def triton_repo(
         model: Optional[Path] = typer.Argument(None, help="model.onnx or model.engine. Default: the latest export."),
         output: Optional[Path] = typer.Option(None, "-o", "--output", help="Repository folder (default: <workdir>/triton-repo)."),
-        name: Optional[str] = typer.Option(None, help="Model name in the repository (default: file stem)."),
-        max_batch: int = typer.Option(32, "--max-batch", help="max_batch_size in config.pbtxt."),
+        name: Optional[str] = typer.Option(None, help="Model name in the repository (default: file stem); a plain "
+                                           "name: letters, digits, '_', '-', '.'."),
+        max_batch: Optional[int] = typer.Option(None, "--max-batch", help="max_batch_size in config.pbtxt (default "
+                                                "32, or an engine's batch profile maximum when lower)."),
         max_delay_us: int = typer.Option(2000, "--max-delay-us", help="dynamic_batching max_queue_delay_microseconds."),
         max_queue: Optional[int] = typer.Option(None, "--max-queue", help="dynamic_batching queue limit."),
         instance_kind: str = typer.Option("KIND_AUTO", "--instance-kind", help="KIND_AUTO, KIND_GPU or KIND_CPU."),
         instances: int = typer.Option(1, help="Model instances per device."),
-        plugin: Optional[Path] = typer.Option(None, help="TensorRT plugin library to ship (default: the built one)."),
-        onnx: Optional[Path] = typer.Option(None, help="For an engine: the ONNX it was built from (I/O names)."),
+        plugin: Optional[Path] = typer.Option(None, help="TensorRT plugin library to ship with an engine (default: "
+                                              "the built one)."),
+        onnx: Optional[Path] = typer.Option(None, help="For an engine: the ONNX it was built from (I/O names, "
+                                            "tokenizer)."),
+        max_length: Optional[int] = typer.Option(None, "--max-length", help="Text models: truncate at this many "
+                                                 "tokens instead of the export's maximum (e.g. an engine's seq max)."),
+        pad_multiple: int = typer.Option(16, "--pad-multiple", help="Text models: pad each request to a multiple of "
+                                         "this length, so Triton can batch requests of similar length."),
+        kserve_uri: Optional[str] = typer.Option(None, "--kserve-uri", help="Also write kserve.yaml, a KServe "
+                                                 "InferenceService serving the repository from this storage URI "
+                                                 "(s3://, gs://, pvc://, ...)."),
+        kserve_image: Optional[str] = typer.Option(None, "--kserve-image", help="Triton image for the "
+                                                   "InferenceService (required for text models: the repository's "
+                                                   "Dockerfile adds the tokenizers package)."),
+        kserve_name: Optional[str] = typer.Option(None, "--kserve-name", help="InferenceService name (default: "
+                                                  "from the model name)."),
+        gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs per KServe replica (default: 1 for an engine "
+                                           "or KIND_GPU, else 0)."),
     ) -> None:
-        """Write a Triton Inference Server model repository (config.pbtxt checked with Triton's schema)."""
-        from attnx.deploy.triton import schema_problem, write_repository
+        """Write a Triton Inference Server model repository: config.pbtxt checked with Triton's schema, and for a
+        text model an ensemble of a tokenizer (Python backend) and the model. Optionally a KServe manifest."""
+        from attnx.deploy.kserve import KServeOptions
+        from attnx.deploy.repository import write_repository
+        from attnx.deploy.triton import schema_problem
 
         path = model or latest_export()
         if not path.is_file():
             raise UserError(f"no model file at {path}")
         if instance_kind not in ("KIND_AUTO", "KIND_GPU", "KIND_CPU"):
             raise UserError("--instance-kind must be KIND_AUTO, KIND_GPU or KIND_CPU")
+        for flag, value, low in (("--max-delay-us", max_delay_us, 0), ("--instances", instances, 1),
+                                 ("--max-queue", max_queue, 1), ("--max-length", max_length, 1),
+                                 ("--pad-multiple", pad_multiple, 1), ("--gpus", gpus, 0), ("--max-batch", max_batch, 0)):
+            if value is not None and value < low:
+                raise UserError(f"{flag} must be >= {low}, got {value}")
+        if kserve_uri is None and (kserve_image or kserve_name or gpus is not None):
+            raise UserError("--kserve-image, --kserve-name and --gpus describe the KServe manifest: add --kserve-uri")
+        kserve = KServeOptions(kserve_uri, kserve_image, kserve_name, gpus) if kserve_uri else None
         repo = output or workdir() / "triton-repo"
-        model_dir = write_repository(
+        written = write_repository(
             path, repo, name=name, max_batch_size=max_batch, max_queue_delay_us=max_delay_us,
             max_queue_size=max_queue, instance_kind=instance_kind, instance_count=instances,
-            plugin_library=plugin, onnx_path=onnx,
+            plugin_library=plugin, onnx_path=onnx, max_length=max_length, pad_to_multiple_of=pad_multiple,
+            kserve=kserve,
         )
         problem = schema_problem()
-        checked = "checked with Triton's schema" if problem is None else "NOT checked: " + problem
-        console.print(f"wrote {model_dir}/config.pbtxt ({checked}) and {model_dir}/1/")
-        plugins = sorted((repo / "plugins").glob("*.so*")) if (repo / "plugins").is_dir() else []
-        if plugins:
-            console.print(f"plugin library: {plugins[0]}")
+        checked = "checked with Triton's schema" if written.validated else "NOT checked: " + str(problem)
+        for model_name, folder in written.models.items():
+            console.print(f"wrote {folder}/ ({checked})", highlight=False)
+        if written.text is not None:
+            console.print(f"text in: call [bold]{written.entry}[/bold] with a BYTES input 'text' (the tokenizer "
+                          f"needs the tokenizers package in Triton's image: see {repo}/Dockerfile)", highlight=False)
+        if written.plugin is not None:
+            console.print(f"plugin library: {written.plugin}", highlight=False)
         elif path.suffix != ".onnx":
             err_console.print("[yellow]no plugin library shipped: pass --plugin (see the repository README)[/yellow]")
-        console.print(f"start Triton with: tritonserver --model-repository={repo.resolve()}")
+        if written.manifest is not None:
+            how = "checked with kserve's types" if written.manifest_checked else "NOT checked: kserve is not installed"
+            console.print(f"wrote {written.manifest} ({how}); copy the repository to {kserve_uri}, then "
+                          f"kubectl apply -f {written.manifest}", highlight=False)
+        console.print(f"start Triton with: tritonserver --model-repository={repo.resolve()}", highlight=False)

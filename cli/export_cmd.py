@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import List, Optional
@@ -59,9 +60,53 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
         raise UserError(f"--layers-replaced {text!r}: expected all, none, or layer indices like 0,3,5") from None
 
 
+#: Exceptions `guarded` already turns into one line; anything else from a library (protobuf's DecodeError,
+#: safetensors' SafetensorError, OverflowError, ...) is made one here.
+_GUARDED = (UserError, ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError, OSError)
+
+
+def one_line_errors(fn):
+    """Any other exception from a library becomes a one-line UserError (``--verbose`` keeps the traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _GUARDED:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in one line, never swallowed
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"{type(e).__name__}: {first}" if first else type(e).__name__, code=1) from e
+
+    return wrapper
+
+
+def export_outputs(output: Path) -> list[Path]:
+    """What exporting to ``output`` writes or replaces: the model (and its temporary), external data, the
+    weights beside it (and their temporary), and a text model's tokenizer folder (and its staging)."""
+    return [output, output.with_name(output.name + ".tmp"), output.with_name(output.name + ".data"),
+            output.with_suffix(".safetensors"), output.with_name(output.stem + ".safetensors.tmp"),
+            output.with_name(output.stem + ".tokenizer"), output.with_name(f".{output.stem}.tokenizer.tmp")]
+
+
+def refuse_overwriting_inputs(output: Path, checkpoint: Path | None, pretrained: Path | None) -> None:
+    """An export must not replace what it reads: the checkpoint, or any file of the pretrained folder."""
+    for written in export_outputs(output):
+        target = written.resolve()
+        if checkpoint is not None and (target == checkpoint.resolve() or checkpoint.resolve().is_relative_to(target)):
+            raise UserError(f"-o {output} would overwrite the checkpoint {checkpoint} it reads (the export writes "
+                            f"{written.name}): choose another output name")
+        if pretrained is not None:
+            folder = pretrained.resolve()
+            if (target.is_relative_to(folder) and target.exists()) or folder.is_relative_to(target):
+                raise UserError(f"-o {output} would overwrite {written} in the model folder it exports from: "
+                                "choose another output name or folder")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("export")
     @guarded
+    @one_line_errors
     def export(
         variant: Optional[str] = typer.Option(None, "--variant", help="A registered variant (see `attnx variants`); "
                                               "with --from-pretrained, default mha."),
@@ -113,6 +158,15 @@ def register(app: typer.Typer) -> None:
         for axis, text in (("batch", batch), ("seq", seq)):
             if text is not None:
                 profiles[axis] = parse_profile(text, f"--{axis}")
+        planned = output
+        if planned is None and pretrained is None:
+            planned = default_path(variant, lowering, fp16, workdir())
+        elif planned is None:
+            from attnx.export.pretrained import default_name
+            from attnx.pretrained import read_folder
+
+            planned = workdir() / f"{default_name(read_folder(pretrained), variant, lowering, fp16)}.onnx"
+        refuse_overwriting_inputs(planned, checkpoint, pretrained)
         label = f"{pretrained.name} + {variant}" if pretrained is not None else variant
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                       transient=False) as progress:
@@ -151,6 +205,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("inspect")
     @guarded
+    @one_line_errors
     def inspect(model: Path = typer.Argument(..., help="Any .onnx file."),
                 as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
         """Show an ONNX file's inputs/outputs, opsets, custom ops, metadata and size."""

@@ -1,4 +1,7 @@
-"""Beyond one process: a Triton Inference Server model repository for an attnx model
-(:mod:`~attnx.deploy.triton`, ``attnx triton-repo``) and the load generator behind ``attnx bench``
+"""Beyond one process: a Triton Inference Server model repository for an attnx model, all or nothing
+(:mod:`~attnx.deploy.repository`, ``attnx triton-repo``; configs checked with Triton's schema in
+:mod:`~attnx.deploy.triton`), a text model's Triton ensemble with its Python-backend tokenizer
+(:mod:`~attnx.deploy.text_ensemble`, :mod:`~attnx.deploy.tokenizer_model`), a KServe InferenceService
+(:mod:`~attnx.deploy.kserve`), and the load generator behind ``attnx bench``
 (:mod:`~attnx.deploy.loadtest`), which drives an in-process batcher or any KServe v2 server.
 """

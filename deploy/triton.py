@@ -1,28 +1,24 @@
-"""Past one machine: write a Triton Inference Server model repository for an attnx model.
+"""Triton Inference Server model configs: written as protobuf text, checked with Triton's own schema.
 
-Layout written by :func:`write_repository`::
-
-    repo/
-      README.md                 how to start Triton on it, plugin loading, the padding caveat
-      plugins/libattnx...so     the TensorRT plugin library (when one is given or found)
-      <name>/config.pbtxt       platform, max_batch_size, dynamic_batching, inputs/outputs
-      <name>/1/model.onnx       (or model.plan for a TensorRT engine)
-
-The config is written as protobuf text and checked by parsing it with Triton's
-own ``ModelConfig`` schema (``model_config_pb2``, shipped inside ``tritonclient``).
+:func:`model_config` gives the ``ModelConfig`` of an ONNX Runtime or TensorRT model (the one
+``attnx serve`` reports too), :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
+Triton's ``ModelConfig`` message (``model_config_pb2``, shipped inside ``tritonclient``) and adds
+the checks Triton makes at load time that the schema alone does not, and
+:func:`validate_ensemble` checks an ensemble against the models it composes. The repository
+itself is written by :mod:`attnx.deploy.repository`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
+import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 
-from attnx.contract import BATCH, Role
+from attnx.contract import BATCH
 from attnx.runtime.session import Session, TensorSpec
 
 #: numpy dtype -> Triton ``DataType`` enum name.
@@ -39,6 +35,8 @@ TRITON_TYPES = {
     "float16": "TYPE_FP16",
     "float32": "TYPE_FP32",
     "float64": "TYPE_FP64",
+    "bfloat16": "TYPE_BF16",
+    "object": "TYPE_STRING",  # BYTES tensors (texts) are numpy object arrays
 }
 
 PLATFORMS = {".onnx": ("onnxruntime_onnx", "onnxruntime", "model.onnx"),
@@ -46,8 +44,31 @@ PLATFORMS = {".onnx": ("onnxruntime_onnx", "onnxruntime", "model.onnx"),
              ".plan": ("tensorrt_plan", "tensorrt", "model.plan")}
 
 
+#: Fields of ModelConfig that are protobuf maps (``parameters``: string -> message; the others string -> string).
+MAP_FIELDS = ("parameters", "input_map", "output_map")
+
+#: A model name that is one plain folder name: no separators, no ``..``, nothing hidden.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
 class ConfigError(ValueError):
     """A config.pbtxt that Triton's schema (or a basic sanity check) rejects."""
+
+
+def check_model_name(name: str) -> str:
+    """``name`` when it can be a folder of the repository and a URL path segment; else a ConfigError."""
+    if not isinstance(name, str) or not _MODEL_NAME.fullmatch(name) or ".." in name:
+        raise ConfigError(f"model name {name!r} is not a plain name: use letters, digits, '_', '-' and '.' "
+                          "(starting with a letter or digit, no '..', at most 128 characters)")
+    return name
+
+
+def triton_type(dtype) -> str:
+    """Triton's ``DataType`` name of a numpy dtype (one clear error for a type Triton has not)."""
+    name = np.dtype(dtype).name
+    if name not in TRITON_TYPES:
+        raise ConfigError(f"Triton has no data type for numpy {name}")
+    return TRITON_TYPES[name]
 
 
 class Enum(str):
@@ -61,7 +82,7 @@ class Enum(str):
 
 def _tensor_config(spec: TensorSpec, batched: bool) -> dict[str, Any]:
     dims = [d if isinstance(d, int) else -1 for axis, d in enumerate(spec.shape) if not (batched and axis == 0)]
-    entry: dict[str, Any] = {"name": spec.name, "data_type": Enum(TRITON_TYPES[np.dtype(spec.dtype).name])}
+    entry: dict[str, Any] = {"name": spec.name, "data_type": Enum(triton_type(spec.dtype))}
     if dims:
         entry["dims"] = dims
     else:
@@ -134,14 +155,15 @@ def _scalar(v: Any) -> str:
 
 
 def to_pbtxt(config: dict[str, Any], indent: int = 0) -> str:
-    """Protobuf text format of a ModelConfig-shaped dict (maps are dicts under ``parameters``)."""
+    """Protobuf text format of a ModelConfig-shaped dict (maps are dicts under :data:`MAP_FIELDS`)."""
     pad = "  " * indent
     lines = []
     for key, value in config.items():
-        if key == "parameters" and isinstance(value, dict):
+        if key in MAP_FIELDS and isinstance(value, dict):
             for k, v in value.items():
-                lines.append(f"{pad}{key} {{\n{pad}  key: {_quote(k)}\n{pad}  value {{\n"
-                             f"{to_pbtxt(v, indent + 2)}{pad}  }}\n{pad}}}")
+                entry = (f"{pad}  value {{\n{to_pbtxt(v, indent + 2)}{pad}  }}" if isinstance(v, dict)
+                         else f"{pad}  value: {_scalar(v)}")
+                lines.append(f"{pad}{key} {{\n{pad}  key: {_quote(k)}\n{entry}\n{pad}}}")
         elif isinstance(value, dict):
             lines.append(f"{pad}{key} {{\n{to_pbtxt(value, indent + 1)}{pad}}}")
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
@@ -235,168 +257,71 @@ def validate_config(text: str):
                 problems.append(f"{kind} {t.name!r} has no dims")
             if any(d < -1 or d == 0 for d in t.dims):
                 problems.append(f"{kind} {t.name!r} has invalid dims {list(t.dims)}")
+    if message.platform == "ensemble":
+        problems += _ensemble_problems(message)
     if problems:
         raise ConfigError("invalid Triton config: " + "; ".join(problems))
     return message
 
 
-# --------------------------------------------------------------------------------------
-# Writing the repository
-# --------------------------------------------------------------------------------------
+def _ensemble_problems(message) -> list[str]:
+    """What Triton refuses in an ensemble's own config: its tensors must flow from inputs to outputs."""
+    problems = []
+    if message.instance_group:
+        problems.append("an ensemble takes no instance_group")
+    steps = message.ensemble_scheduling.step
+    if not steps:
+        problems.append("an ensemble needs ensemble_scheduling steps")
+    available = {t.name for t in message.input}
+    for step in steps:
+        if not step.model_name:
+            problems.append("an ensemble step without model_name")
+        missing = sorted(set(step.input_map.values()) - available)
+        if missing:
+            problems.append(f"step {step.model_name!r} reads {missing}, which no input or earlier step provides")
+        available |= set(step.output_map.values())
+    unused = sorted({t.name for t in message.input} - {v for s in steps for v in s.input_map.values()})
+    if unused:
+        problems.append(f"ensemble inputs {unused} feed no step")
+    unproduced = sorted({t.name for t in message.output} - available)
+    if unproduced:
+        problems.append(f"ensemble outputs {unproduced} are produced by no step")
+    return problems
 
 
-def find_plugin_library() -> Path | None:
-    """The built TensorRT plugin library, if ``attnx.plugins`` can say where it is."""
-    try:
-        from attnx import plugins
-    except ImportError:
-        return None
-    locate = getattr(plugins, "library_path", None)
-    if locate is None:
-        return None
-    try:
-        path = locate()
-    except Exception:  # noqa: BLE001 - not built yet is a normal state here
-        return None
-    return Path(path) if path and Path(path).is_file() else None
+def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
+    """Check a parsed ensemble config against the parsed configs of the models it composes (``{name:
+    ModelConfig}``): every step's model exists, maps only its real inputs and outputs, gets every
+    input it needs with the data type it declares, and batches at least as far as the ensemble."""
+    problems = []
+    tensor_types = {t.name: t.data_type for t in ensemble.input}
+    for step in ensemble.ensemble_scheduling.step:
+        model = models.get(step.model_name)
+        if model is None:
+            problems.append(f"step model {step.model_name!r} is not in the repository")
+            continue
+        inputs = {t.name: t for t in model.input}
+        outputs = {t.name: t for t in model.output}
+        for key, value in step.input_map.items():
+            if key not in inputs:
+                problems.append(f"{step.model_name} has no input {key!r}")
+            elif value in tensor_types and tensor_types[value] != inputs[key].data_type:
+                problems.append(f"{step.model_name} input {key!r} has another data type than {value!r}")
+        unfed = sorted(n for n, t in inputs.items() if n not in step.input_map and not t.optional)
+        if unfed:
+            problems.append(f"{step.model_name} inputs {unfed} are not mapped")
+        for key, value in step.output_map.items():
+            if key not in outputs:
+                problems.append(f"{step.model_name} has no output {key!r}")
+            else:
+                tensor_types[value] = outputs[key].data_type
+        if ensemble.max_batch_size > model.max_batch_size:
+            problems.append(f"ensemble max_batch_size {ensemble.max_batch_size} exceeds {step.model_name}'s "
+                            f"{model.max_batch_size}")
+    for t in ensemble.output:
+        if t.name in tensor_types and tensor_types[t.name] != t.data_type:
+            problems.append(f"ensemble output {t.name!r} has another data type than the step that makes it")
+    if problems:
+        raise ConfigError(f"invalid ensemble {ensemble.name!r}: " + "; ".join(problems))
 
 
-def _external_data_files(model_path: Path) -> list[str]:
-    """Relative paths of an ONNX model's external tensor data files (large models)."""
-    import onnx
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    files = set()
-    for tensor in onnx.external_data_helper._get_all_tensors(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            for entry in tensor.external_data:
-                if entry.key == "location":
-                    files.add(entry.value)
-    return sorted(files)
-
-
-def write_repository(
-    model_path: str | Path,
-    out_dir: str | Path,
-    *,
-    name: str | None = None,
-    max_batch_size: int = 32,
-    max_queue_delay_us: int = 2000,
-    max_queue_size: int | None = None,
-    instance_kind: str = "KIND_AUTO",
-    instance_count: int = 1,
-    plugin_library: str | Path | None = None,
-    onnx_path: str | Path | None = None,
-    validate: bool | None = None,
-) -> Path:
-    """Write (or add to) a Triton model repository; returns the model's folder.
-
-    ``plugin_library``: the TensorRT plugin ``.so`` to ship (default: the built one,
-    when ``attnx.plugins.library_path()`` finds it). ``onnx_path``: for an engine whose
-    sidecar does not list its I/O, the ONNX it was built from. ``validate``: check the
-    config with Triton's schema (None: when tritonclient is installed to provide it).
-    """
-    from attnx.runtime.backends.onnxrt import onnx_io_specs
-    from attnx.runtime.backends.tensorrt import engine_io_specs
-
-    model_path = Path(model_path)
-    suffix = model_path.suffix.lower()
-    if suffix not in PLATFORMS:
-        raise ValueError(f"{model_path}: expected a .onnx or .engine/.plan file")
-    if not model_path.is_file():
-        raise FileNotFoundError(f"no model file at {model_path}")
-    platform, backend, filename = PLATFORMS[suffix]
-    if suffix == ".onnx":
-        inputs, outputs = onnx_io_specs(model_path)
-    else:
-        inputs, outputs, _ = engine_io_specs(model_path, Path(onnx_path) if onnx_path else None)
-    name = name or model_path.stem
-    repo = Path(out_dir)
-    model_dir = repo / name
-    version_dir = model_dir / "1"
-    version_dir.mkdir(parents=True, exist_ok=True)
-
-    config = model_config(
-        name,
-        (inputs, outputs),
-        platform=platform,
-        max_batch_size=max_batch_size,
-        max_queue_delay_us=max_queue_delay_us,
-        max_queue_size=max_queue_size,
-        instance_kind=instance_kind,
-        instance_count=instance_count,
-        default_model_filename=filename,
-    )
-    text = f"# Written by attnx triton-repo from {model_path.name}; see ../README.md.\n" + to_pbtxt(config)
-    if validate or (validate is None and schema_problem() is None):
-        validate_config(text)
-    (model_dir / "config.pbtxt").write_text(text)
-
-    shutil.copy2(model_path, version_dir / filename)
-    if suffix == ".onnx":
-        for rel in _external_data_files(model_path):
-            target = version_dir / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(model_path.parent / rel, target)
-
-    plugin = Path(plugin_library) if plugin_library else find_plugin_library()
-    if plugin_library and not plugin.is_file():  # type: ignore[union-attr]
-        raise FileNotFoundError(f"no plugin library at {plugin}")
-    plugin_rel = None
-    if plugin is not None:
-        (repo / "plugins").mkdir(exist_ok=True)
-        shutil.copy2(plugin, repo / "plugins" / plugin.name)
-        plugin_rel = f"plugins/{plugin.name}"
-    (repo / "README.md").write_text(_readme(repo, plugin_rel, inputs))
-    return model_dir
-
-
-def _readme(repo: Path, plugin_rel: str | None, inputs: Sequence[TensorSpec]) -> str:
-    models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
-    plugins = sorted(f"plugins/{p.name}" for p in (repo / "plugins").glob("*.so*")) if (repo / "plugins").is_dir() else []
-    mask = next((s.name for s in inputs if s.role == Role.ATTENTION_MASK), "attention_mask")
-    plugin_text = (
-        "\n".join(f"- `{p}`" for p in plugins)
-        if plugins
-        else "- none copied (no library was given or found; build it with `attnx plugins build`,\n"
-        "  then run `attnx triton-repo ... --plugin PATH` again)"
-    )
-    return f"""# Triton model repository (written by `attnx triton-repo`)
-
-Models: {", ".join(f"`{m}`" for m in models)}. Each has `config.pbtxt` (checked against
-Triton's own ModelConfig schema when it was written) and version `1/`.
-
-## Start Triton on it
-
-```
-tritonserver --model-repository=$PWD
-```
-
-ONNX models (`platform: "onnxruntime_onnx"`) need no plugin: every attnx custom op
-carries a model-local function that ONNX Runtime inlines. The files use opset 23,
-so Triton's ONNX Runtime must be 1.22 or newer.
-
-TensorRT engines (`platform: "tensorrt_plan"`) need the attnx plugin library loaded
-into Triton, and the engine and the library must be built with the same TensorRT
-version as Triton's TensorRT backend (an engine from TensorRT for RTX does not load
-in Triton's TensorRT backend). Either:
-
-```
-tritonserver --model-repository=$PWD \\
-    --backend-config=tensorrt,plugins="$PWD/{plugin_rel or 'plugins/libattnx_plugins.so'}"
-# or
-LD_PRELOAD=$PWD/{plugin_rel or 'plugins/libattnx_plugins.so'}:$LD_PRELOAD tritonserver --model-repository=$PWD
-```
-
-Plugin libraries here:
-{plugin_text}
-
-## Variable-length requests: Triton does not pad
-
-Triton's dynamic batcher concatenates requests only when their shapes match
-(apart from the batch dim). Requests with different sequence lengths are
-therefore run in separate batches. To batch them, pad on the client: pad every
-sequence to a common length (or a few fixed buckets) and send `{mask}` with 0 on
-the padded positions; padded query rows of the output carry no meaning and are
-dropped by the client. (`attnx serve` does this padding in the server.)
-"""

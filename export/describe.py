@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from attnx.contract import PREFIX
+from attnx.contract import PREFIX, ContractError, load_onnx
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list:
@@ -25,12 +25,9 @@ def _dtype(vi: onnx.ValueInfoProto) -> str:
 def describe_model(path: str | Path) -> dict:
     """A plain-dict description of the model at ``path`` (external data is not loaded)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable ONNX file ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    model = load_onnx(path)  # one clear error for a missing, empty (it would parse as an empty model) or bad file
+    if not model.graph.node and not model.graph.input and not model.graph.output:
+        raise ContractError(f"{path} holds no graph: not an ONNX model")
     graph = model.graph
     initializer_names = {t.name for t in graph.initializer}
     params = sum(int(np.prod(t.dims)) if t.dims else 1 for t in graph.initializer)

@@ -108,3 +108,93 @@ def test_variants_lists_options_and_context():
                                            "doc": "trace tensor T"}
     assert info["cultural"]["options"]["bias_mode"] == "key"
     assert "depth_dim" in attnx("variants").stdout
+
+
+# ----------------------------------------------------------------------------- issue 15: bad files, no destruction
+
+
+def _one_line(proc, *phrases):
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "is empty: not an ONNX file"),
+    (b"\x08\x07", "holds no graph"),  # parses (an IR version alone) but is no model
+    (b"plain text, not protobuf\n", "is not a readable ONNX file"),
+])
+def test_inspect_refuses_files_that_are_not_models(tmp_path, content, message):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(content)
+    _one_line(attnx("inspect", str(bad)), message)
+    _one_line(attnx("inspect", str(tmp_path)), "no such file")
+    verbose = attnx("--verbose", "inspect", str(bad))
+    assert verbose.returncode != 0 and "Traceback" in verbose.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_folder(tmp_path_factory):
+    """A small BERT saved by transformers itself (model.safetensors + config.json), with tokenizer files."""
+    import torch
+    import transformers
+
+    import shutil
+
+    from attnx.pretrained import minilm_path
+
+    folder = tmp_path_factory.mktemp("tiny") / "bert"
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=32)
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):  # a text model: its tokenizer travels
+        shutil.copy2(minilm_path() / name, folder / name)
+    return folder
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_export_never_overwrites_the_pretrained_folder_it_reads(tiny_bert_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "x.tokenizer"  # a model folder whose name the export's tokenizer folder would take
+    shutil.copytree(tiny_bert_folder, folder)
+    before = _snapshot(folder)
+    # model.safetensors is the model's own weights: the export would write its weights there.
+    _one_line(attnx("export", "--from-pretrained", str(folder), "-o", str(folder / "model.onnx")),
+              "would overwrite", "model.safetensors", "model folder it exports from")
+    # x.onnx's tokenizer folder is x.tokenizer/, the model folder itself, which the export replaces.
+    _one_line(attnx("export", "--from-pretrained", str(folder), "-o", str(tmp_path / "x.onnx")),
+              "would overwrite", "x.tokenizer")
+    assert _snapshot(folder) == before and not (tmp_path / "x.onnx").exists()
+
+
+def test_export_never_overwrites_its_checkpoint(tiny_bert_folder, tmp_path):
+    """A placed variant's trained parameters: c.onnx would put the whole model's weights in c.safetensors."""
+    from safetensors.torch import save_file
+
+    from attnx import pretrained
+
+    host = pretrained.load(tiny_bert_folder, "smal")
+    state = host.state_dict()
+    weights = tmp_path / "c.safetensors"
+    save_file({k: state[k].contiguous() for k in host.variant_parameter_names()}, str(weights))
+    before = weights.read_bytes()
+    _one_line(attnx("export", "--from-pretrained", str(tiny_bert_folder), "--variant", "smal", "--checkpoint",
+                    str(weights), "-o", str(tmp_path / "c.onnx")), "would overwrite the checkpoint", "c.safetensors")
+    assert weights.read_bytes() == before and not (tmp_path / "c.onnx").exists()
+    _one_line(attnx("export", "--variant", "mha", "-o", str(tmp_path / "x.safetensors")), "must be a .onnx file")
+
+
+def test_export_from_a_folder_with_corrupt_weights_is_one_line(tiny_bert_folder, tmp_path):
+    import shutil
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_bert_folder, folder)
+    (folder / "model.safetensors").write_bytes(b"\x00\x01 not safetensors")
+    _one_line(attnx("export", "--from-pretrained", str(folder), "-o", str(tmp_path / "b.onnx")), "SafetensorError")
+    assert not list(tmp_path.glob("b.*"))
