@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import List, Optional
@@ -60,27 +59,6 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
         raise UserError(f"--layers-replaced {text!r}: expected all, none, or layer indices like 0,3,5") from None
 
 
-#: Exceptions `guarded` already turns into one line; anything else from a library (protobuf's DecodeError,
-#: safetensors' SafetensorError, OverflowError, ...) is made one here.
-_GUARDED = (UserError, ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError, OSError)
-
-
-def one_line_errors(fn):
-    """Any other exception from a library becomes a one-line UserError (``--verbose`` keeps the traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except _GUARDED:
-            raise
-        except Exception as e:  # noqa: BLE001 - reported in one line, never swallowed
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise UserError(f"{type(e).__name__}: {first}" if first else type(e).__name__, code=1) from e
-
-    return wrapper
-
-
 def export_outputs(output: Path) -> list[Path]:
     """What exporting to ``output`` writes or replaces: the model (and its temporary), external data, the
     weights beside it (and their temporary), and a text model's tokenizer folder (and its staging)."""
@@ -106,7 +84,6 @@ def refuse_overwriting_inputs(output: Path, checkpoint: Path | None, pretrained:
 def register(app: typer.Typer) -> None:
     @app.command("export")
     @guarded
-    @one_line_errors
     def export(
         variant: Optional[str] = typer.Option(None, "--variant", help="A registered variant (see `attnx variants`); "
                                               "with --from-pretrained, default mha."),
@@ -205,7 +182,6 @@ def register(app: typer.Typer) -> None:
 
     @app.command("inspect")
     @guarded
-    @one_line_errors
     def inspect(model: Path = typer.Argument(..., help="Any .onnx file."),
                 as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
         """Show an ONNX file's inputs/outputs, opsets, custom ops, metadata and size."""
