@@ -30,6 +30,8 @@ plugins: $(STAMP)
 	$(ATTNX) plugins build
 
 test: $(STAMP)
+	# The attention page is tested in a real browser: Debian's chromium (no Playwright download).
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(ATTNX) plugins build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

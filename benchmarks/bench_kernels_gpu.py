@@ -144,7 +144,7 @@ def bench_maw(torch, kernels, lib, lengths, dtypes, timer, l2, B, H, D) -> list[
                          "copy_ms": t["copy_gather"], "bytes": gather_bytes,
                          "GBps": gather_bytes / t["gather"] / 1e6, "copy_GBps": gather_bytes / t["copy_gather"] / 1e6,
                          "of_copy": t["copy_gather"] / t["gather"]})
-            del q, k, outs, sels
+            q = k = outs = sels = None  # free before the next length (the closures share these cells)
             torch.cuda.empty_cache()
     return rows
 
@@ -175,7 +175,7 @@ def bench_tta(torch, kernels, lib, lengths, dtypes, timer, l2, B, H, Dh) -> list
                          "gemm_ms": t["gemm"], "x_gemm": t["tta"] / t["gemm"],
                          "out_GBps": out_bytes / t["tta"] / 1e6, "gemm_out_GBps": out_bytes / t["gemm"] / 1e6,
                          "gemm_TFLOPs": 2.0 * B * H * L * L * Dh / t["gemm"] / 1e9})
-            del q, k, outs, gouts, kt
+            q = k = outs = gouts = kt = q3 = None  # free before the next length
             torch.cuda.empty_cache()
     return rows
 

@@ -14,8 +14,9 @@ from attnx.cli._common import UserError, console, err_console, guarded, latest_e
 BUILD_STEPS = ("fp16", "plugins", "parse", "build", "write")
 BUILD_LABELS = {"fp16": "fp16 ONNX", "plugins": "plugin library", "parse": "parse (plugin override)",
                 "build": "build engine", "write": "write engine + sidecar"}
-CHECK_STEPS = ("reference", "engine", "lowering", "run", "compare")
-CHECK_LABELS = {"reference": "PyTorch reference", "engine": "engine", "lowering": "other lowering",
+CHECK_STEPS = ("reference", "engine", "original", "lowering", "run", "compare")
+CHECK_LABELS = {"reference": "PyTorch reference", "engine": "engine", "original": "original model",
+                "lowering": "other lowering",
                 "run": "run (Polygraphy Comparator)", "compare": "compare"}
 
 
@@ -167,20 +168,69 @@ def render_report(report, report_path: Path | None = None) -> None:
                   + (f"; report: {escape(str(report_path))}" if report_path else ""), highlight=False)
 
 
+def _figure(value: float, metric: str) -> str:
+    if value != value:  # NaN
+        return "nan"
+    return f"{value:.6f}" if metric == "cosine" else f"{value:.2g}"
+
+
+def render_text_report(report, report_path: Path | None = None) -> None:
+    """A pretrained export's report: one row per comparison, then the gated figure of every
+    comparison for every sentence."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    placement = report.placement
+    where = f"appended x{placement.get('append')}" if placement.get("append") else \
+        f"layers {placement.get('layers') if placement.get('layers') is not None else 'all'}"
+    table = Table(title=f"parity of {escape(report.model.name)} ({report.host} with {report.variant}, {where}; "
+                        f"{report.precision}) on {len(report.texts)} real texts", header_style="bold")
+    for col in ("runner", "reference", "output", "max abs", "min cosine", "must hold", "result"):
+        table.add_column(col, justify="right" if col in ("max abs", "min cosine") else "left", no_wrap=True)
+    for c in report.comparisons:
+        result = ("[green]pass[/green]" if c.gated else "[dim]reported[/dim]") if c.passed else "[bold red]FAIL[/bold red]"
+        table.add_row(c.runner, c.reference, c.output, _figure(c.worst("max_abs"), "max_abs"),
+                      _figure(c.worst("cosine"), "cosine"), c.gate.describe(), result)
+    console.print(table)
+    gated = [c for c in report.comparisons if c.gated]
+    per = Table(title="per sentence (the figure each comparison is held to; * = failed)", header_style="bold")
+    per.add_column("#", justify="right")
+    per.add_column("tokens", justify="right")
+    per.add_column("text", no_wrap=True, max_width=36)
+    for c in gated:
+        per.add_column(f"{c.runner} vs {c.reference}\n{c.output} {'cos' if c.gate.metric == 'cosine' else 'abs'}",
+                       justify="right")
+    for item in report.texts:
+        cells = []
+        for c in gated:
+            row = next((r for r in c.rows if r["text"] == item["index"]), None)
+            key = "cosine" if c.gate.metric == "cosine" else "max_abs"
+            cells.append("-" if row is None else _figure(row[key], key) + ("" if row["passed"] else "*"))
+        tokens = f"{item['tokens']}{' (cut)' if item['truncated'] else ''}"
+        per.add_row(str(item["index"]), tokens, escape(item["text"]), *cells)
+    console.print(per)
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
+    if report.engine is not None and not report.engine.get("ran"):
+        console.print(f"[yellow]engine not run here:[/yellow] {escape(report.engine.get('reason', ''))}; "
+                      "everything else was checked", highlight=False)
+    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
+    console.print(f"{verdict} in {report.seconds:.1f}s" + (f"; report: {escape(str(report_path))}" if report_path
+                                                            else ""), highlight=False)
+
+
 def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Optional[Path], cases: list[str],
-              no_engine: bool = False, wd: Optional[Path] = None, quiet: bool = False):
+              no_engine: bool = False, wd: Optional[Path] = None, quiet: bool = False,
+              texts: Optional[list[str]] = None, original: Optional[Path] = None):
     """The body of `attnx check` (also used by `attnx demo`); returns (report, report_path)."""
     from rich.markup import escape
 
     from attnx import parity
-    from attnx.contract import read_sidecar
 
     wd = wd or workdir()
     with user_errors():
         if model is None and engine is not None:
-            sidecar = read_sidecar(engine) if engine.is_file() else None
-            candidates = [Path(sidecar["onnx"]), engine.parent / sidecar.get("onnx_name", "")] if sidecar else []
-            model = next((c for c in candidates if c.is_file()), None)
+            model = parity.onnx_for_engine(engine)
             if model is not None and not quiet:
                 err_console.print(f"[dim]using the ONNX the engine was built from: {model}[/dim]")
         model = model or latest_export()
@@ -190,12 +240,12 @@ def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Option
                 err_console.print(f"[dim]using the engine built from it: {engine}[/dim]")
         with _Steps(f"check {model.name}", CHECK_STEPS, CHECK_LABELS, quiet=quiet) as steps:
             report = parity.run_check(model, engine=engine, workdir=wd, case_specs=cases or None,
-                                      verbose=state.verbose, progress=steps)
+                                      verbose=state.verbose, progress=steps, texts=texts or None, original=original)
     if report_path is None:
         report_path = wd / "parity" / f"{model.stem}.parity.json"
     report.write(report_path)
     if not quiet:
-        render_report(report, report_path)
+        (render_text_report if getattr(report, "kind", "") == "pretrained" else render_report)(report, report_path)
     if not report.passed and not quiet:
         err_console.print("[bold red]error:[/bold red] parity mismatch: " + escape("; ".join(report.mismatches())),
                           highlight=False)
@@ -239,8 +289,13 @@ def register(app: typer.Typer) -> None:
         cases: List[str] = typer.Option([], "--case", help="Input case BATCHxSEQ (repeatable; default: several "
                                         "inside the profiles)."),
         no_engine: bool = typer.Option(False, "--no-engine", help="Do not look for an engine."),
+        texts: List[str] = typer.Option([], "--text", help="Pretrained exports: a text to check on (repeatable; "
+                                        "default: built-in real sentences and passages)."),
+        original: Optional[Path] = typer.Option(None, "--original", help="Pretrained exports: the original Hugging "
+                                                "Face folder (default: the one the export was made from)."),
     ) -> None:
-        """Parity with Polygraphy: the PyTorch reference vs ONNX Runtime (both lowerings) and the engine."""
-        rep, _path = check_cmd(model, engine, report, cases, no_engine=no_engine)
+        """Parity with Polygraphy: the PyTorch reference vs ONNX Runtime (both lowerings) and the engine;
+        pretrained exports on real text, also against the original transformers / sentence-transformers model."""
+        rep, _path = check_cmd(model, engine, report, cases, no_engine=no_engine, texts=texts, original=original)
         if not rep.passed:
             raise typer.Exit(1)

@@ -57,6 +57,19 @@ def _model_files(models: list[str] | None) -> dict[str, Path]:
     return out
 
 
+def _tokenizer_dirs(items: list[str] | None, files: dict[str, Path]) -> dict[str | None, Path]:
+    """``--tokenizer DIR`` (every model) / ``--tokenizer NAME=DIR`` -> ``{name or None: folder}``."""
+    out: dict[str | None, Path] = {}
+    for item in items or ():
+        name, sep, folder = item.partition("=")
+        key = name if sep and name in files else None
+        path = Path(folder if key is not None else item)
+        if not path.exists():
+            raise UserError(f"--tokenizer {item}: no such folder")
+        out[key] = path
+    return out
+
+
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     @guarded
@@ -79,26 +92,54 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", help="ONNX Runtime device: auto, cpu or cuda."),
         threads: Optional[int] = typer.Option(None, help="Intra-op threads per model (default: all CPUs)."),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+        grpc_port: Optional[int] = typer.Option(
+            None, "--grpc-port", help="Also serve KServe v2 over gRPC on this port (0 = any free port)."),
+        tokenizer: Optional[List[str]] = typer.Option(
+            None, "--tokenizer", help="Tokenizer folder (tokenizer.json) giving a model a text input: DIR for "
+                                      "every model, or NAME=DIR. attnx exports carry their own."),
+        batch_axis: Optional[List[str]] = typer.Option(
+            None, "--batch-axis", help="Batch axis for tensors whose dim names do not say: NAME=AXIS, or AXIS "
+                                       "for every tensor."),
+        seq_axis: Optional[List[str]] = typer.Option(
+            None, "--seq-axis", help="Sequence axis for tensors whose dim names do not say: NAME=AXIS or AXIS."),
+        describe: bool = typer.Option(
+            False, "--describe", help="Print each input's and output's batch/sequence axes and how requests "
+                                      "will be batched, then exit."),
     ) -> None:
-        """Serve models over HTTP with the KServe v2 protocol (tritonclient works), with dynamic batching."""
+        """Serve models over HTTP (and gRPC) with the KServe v2 protocol (tritonclient works), with dynamic
+        batching that pads requests of different lengths; text in for models with a tokenizer."""
+        from rich.markup import escape
+
+        from attnx.runtime.axes import AxisError, AxisFlags
         from attnx.runtime.protocol import Limits
         from attnx.runtime.server import InferenceServer
 
         files = _model_files(models)
         batching = _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens)
         limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq)
+        try:
+            axes = AxisFlags.parse(batch_axis, seq_axis)
+        except AxisError as e:
+            raise UserError(str(e)) from None
         server = InferenceServer(
-            files, host=host, port=port, batching=batching, limits=limits, device=device, threads=threads,
-            log_level=log_level,
+            files, host=host, port=port, grpc_port=grpc_port, batching=batching, limits=limits, device=device,
+            threads=threads, log_level=log_level, tokenizers=_tokenizer_dirs(tokenizer, files), axes=axes,
+            on_warning=lambda m: err_console.print(f"[yellow]warning:[/yellow] {escape(m)}", highlight=False),
         )
+        if describe:
+            console.print(server.describe(), markup=False, highlight=False, soft_wrap=True)
+            return
         server.bind()
         for name, model in server.models.items():
-            err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider})")
+            text = " text in" if model.tokenizer is not None else ""
+            err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}){text}")
         err_console.print(
             f"max batch {max_batch}, max delay {max_delay_ms} ms, queue {max_queue}; "
             "Ctrl-C stops after in-flight requests finish"
         )
         # One plain line with the real address (port 0 picks one), for people and for scripts.
+        if server.grpc_address:
+            err_console.print(f"gRPC listening on {server.grpc_address}", highlight=False, soft_wrap=True)
         err_console.print(f"listening on {server.url}", highlight=False, soft_wrap=True)
         server.serve()
 
@@ -121,8 +162,22 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("auto", help="In-process: auto, cpu or cuda."),
         threads: Optional[int] = typer.Option(None, help="In-process: intra-op threads."),
         report: Optional[Path] = typer.Option(None, help="Also write the numbers as JSON here."),
+        text: bool = typer.Option(False, "--text", help="Send text (the model's tokenizer) instead of tensors."),
+        min_tokens: int = typer.Option(3, "--min-tokens", help="Text: shortest text, in tokens."),
+        max_tokens: int = typer.Option(300, "--max-tokens", help="Text: longest text, in tokens (truncated at the "
+                                                                 "model's max length)."),
+        texts: int = typer.Option(64, "--texts", help="Text: distinct texts in the pool."),
+        output: Optional[List[str]] = typer.Option(None, "--output", help="Text: outputs to ask for "
+                                                                          "(default: sentence_embedding if any)."),
+        tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Text: tokenizer folder (with --url, "
+                                                                           "or for a file that carries none)."),
+        compare_batch_1: bool = typer.Option(False, "--compare-batch-1", help="Text, in-process: also run with "
+                                             "--max-batch 1, interleaved, and print the throughput ratio."),
+        rounds: int = typer.Option(3, "--rounds", help="Text: interleaved rounds per configuration."),
     ) -> None:
-        """Load-test a model: throughput and p50/p95/p99 latency at a given concurrency."""
+        """Load-test a model: throughput and p50/p95/p99 latency at a given concurrency. With --text: texts
+        of --min-tokens..--max-tokens, every answer checked against the same text run alone, the
+        (server's) RSS before and after."""
         import json
 
         from attnx.deploy import loadtest as b
@@ -130,6 +185,17 @@ def register(app: typer.Typer) -> None:
         lengths = _seq_list(seq)
         if concurrency < 1 or duration <= 0 or batch < 1:
             raise UserError("--concurrency and --batch must be >= 1 and --duration > 0")
+        if text:
+            from attnx.cli.bench_text import bench_text
+
+            config = _batching(max_batch, max_delay_ms, max_queue, None, max_length_ratio, max_batch_tokens)
+            numbers = bench_text(model, url=url, concurrency=concurrency, duration=duration, min_tokens=min_tokens,
+                                 max_tokens=max_tokens, count=texts, outputs=output, tokenizer=tokenizer,
+                                 batching=config, device=device, threads=threads, compare_batch_1=compare_batch_1,
+                                 rounds=rounds)
+            if report:
+                report.write_text(json.dumps(numbers, indent=2))
+            return
         if url:
             import tritonclient.http as httpclient
 

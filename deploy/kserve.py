@@ -135,22 +135,47 @@ def _build(type_name: str, value: Any, where: str) -> Any:
         raise ManifestError(f"{where}: {type_name}: {' '.join(str(e).split())[:300]}") from None
 
 
-def check_manifest(manifest: dict[str, Any]):
-    """Build ``manifest`` as kserve's ``V1beta1InferenceService``; returns it. Raises ManifestError
-    for what KServe's types refuse, and RuntimeError when the kserve package is not installed."""
+def check_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Build ``manifest`` as kserve's ``V1beta1InferenceService`` and serialise it back; returns that
+    round trip (plain data, with the types' defaults). Raises ManifestError for what KServe's types
+    refuse, and RuntimeError when the kserve package is not installed.
+
+    kserve's package import registers its own copy of the KServe v2 gRPC protos; in a process that
+    already holds tritonclient's copy (``attnx serve --grpc-port``, a tritonclient.grpc user) protobuf
+    refuses the second one, so the check then runs in a fresh interpreter."""
     try:
         import kserve
     except ImportError as e:
         raise RuntimeError(f"checking a KServe manifest needs the kserve package ({e})") from None
+    except TypeError as e:  # "Couldn't build proto file into descriptor pool: duplicate symbol ..."
+        if "descriptor pool" not in str(e):
+            raise
+        return _check_in_subprocess(manifest)
     if manifest.get("apiVersion") != API_VERSION or manifest.get("kind") != KIND:
         raise ManifestError(f"expected apiVersion {API_VERSION} and kind {KIND}")
     service = _build("V1beta1InferenceService", manifest, "InferenceService")
     if service.spec is None or service.spec.predictor is None:
         raise ManifestError("InferenceService: spec.predictor is required")
-    lost = _lost(manifest, kserve.ApiClient().sanitize_for_serialization(service), "InferenceService")
+    back = kserve.ApiClient().sanitize_for_serialization(service)
+    lost = _lost(manifest, back, "InferenceService")
     if lost:
         raise ManifestError(f"{lost} does not survive a round trip through kserve's types")
-    return service
+    return back
+
+
+def _check_in_subprocess(manifest: dict[str, Any]) -> dict[str, Any]:
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "attnx.deploy.kserve"], input=json.dumps(manifest),
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode == 2:
+        raise ManifestError(run.stderr.strip())
+    if run.returncode != 0:
+        tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"checking the KServe manifest in a subprocess failed: {tail}")
+    return json.loads(run.stdout)
 
 
 def _lost(given: Any, back: Any, where: str) -> str | None:
@@ -172,6 +197,8 @@ def kserve_problem() -> str | None:
         import kserve  # noqa: F401
     except ImportError as e:
         return f"the kserve package is not installed ({e})"
+    except TypeError:  # installed; its protos clash with tritonclient's here (check_manifest copes)
+        pass
     return None
 
 
@@ -197,3 +224,14 @@ def repository_service(options: KServeOptions, entry: str, *, gpu: bool, text_mo
     gpus = options.gpus if options.gpus is not None else int(gpu)
     return inference_service(options.name or service_name(entry), options.storage_uri, image=options.image,
                              gpus=gpus, plugins=plugins)
+
+
+if __name__ == "__main__":  # the clean-interpreter check of check_manifest: JSON in, JSON out, exit 2 on refusal
+    import json
+    import sys
+
+    try:
+        print(json.dumps(check_manifest(json.load(sys.stdin))))
+    except ManifestError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)

@@ -6,9 +6,15 @@ Targets:
   process (measures the runtime itself, no HTTP).
 - :class:`HttpTarget`: a running server (``attnx serve`` or Triton) through the
   unmodified ``tritonclient.http`` client, binary tensors.
+- Text (``attnx bench --text``): :func:`text_pool` makes real-word texts of a chosen
+  token-length range; :class:`TextInProcessTarget` tokenises and submits them to a
+  batcher as the server does; :class:`HttpTarget` with ``text=True`` sends them as
+  ``BYTES``. :func:`single_answers` records each pool item's answer run alone, and
+  ``run_load(verify=...)`` counts every load answer that differs from it.
 
 Every client thread loops: pick a request from a pre-generated pool (so input
 generation does not count), send it, wait for its answer, record the latency.
+:func:`rss_bytes` reads a process's resident memory (this one, or a server's ``/metrics``).
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class LoadResult:
     errors: Counter = field(default_factory=Counter)
     latencies_s: list[float] = field(default_factory=list)
     mean_batch_rows: float | None = None
+    #: Answers that differed from the same request run alone (``run_load(verify=...)``).
+    mismatched: int = 0
 
     @property
     def requests_per_s(self) -> float:
@@ -94,6 +102,7 @@ class LoadResult:
             "p95_ms": round(self.percentile_ms(95), 3),
             "p99_ms": round(self.percentile_ms(99), 3),
             "mean_batch_rows": self.mean_batch_rows,
+            "mismatched": self.mismatched,
         }
 
 
@@ -109,11 +118,13 @@ def run_load(
     max_requests: int | None = None,
     label: str = "",
     seed: int = 0,
+    verify: Callable[[int, Mapping[str, np.ndarray]], bool] | None = None,
 ) -> LoadResult:
     """``concurrency`` client threads, each with its own ``call_factory()``, for ``duration_s``.
 
     ``pool`` holds ``(feeds, rows, tokens)`` requests to draw from at random.
-    ``max_requests`` bounds the total (per run) besides the time.
+    ``max_requests`` bounds the total (per run) besides the time. ``verify(pool_index, answer)``
+    says whether an answer is right; wrong ones are counted in ``mismatched``.
     """
     result = LoadResult(label, concurrency, duration_s)
     lock = threading.Lock()
@@ -124,7 +135,7 @@ def run_load(
     def client(index: int) -> None:
         rng = np.random.default_rng(seed + index)
         latencies: list[float] = []
-        ok = rows = tokens = 0
+        ok = rows = tokens = wrong = 0
         errors: Counter = Counter()
         try:
             call = call_factory()
@@ -139,14 +150,17 @@ def run_load(
                 if budget[0] <= 0:
                     break
                 budget[0] -= 1
-            feeds, n_rows, n_tokens = pool[int(rng.integers(len(pool)))]
+            index = int(rng.integers(len(pool)))
+            feeds, n_rows, n_tokens = pool[index]
             t0 = time.perf_counter()
             try:
-                call(feeds)
+                answer = call(feeds)
             except Exception as e:  # noqa: BLE001 - a load run counts failures, it does not stop on them
                 errors[_error_kind(e)] += 1
                 continue
             latencies.append(time.perf_counter() - t0)
+            if verify is not None and not verify(index, answer):
+                wrong += 1
             ok += 1
             rows += n_rows
             tokens += n_tokens
@@ -158,6 +172,7 @@ def run_load(
             result.ok += ok
             result.rows += rows
             result.tokens += tokens
+            result.mismatched += wrong
             result.errors.update(errors)
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
@@ -170,6 +185,24 @@ def run_load(
         t.join(duration_s + 120)
     result.duration_s = time.perf_counter() - began
     return result
+
+
+def merge_results(parts: Sequence[LoadResult], label: str) -> LoadResult:
+    """One result from interleaved rounds: summed counts and time, pooled latencies, batch size weighted."""
+    total = LoadResult(label, parts[0].concurrency, sum(p.duration_s for p in parts))
+    rows = batches = 0.0
+    for p in parts:
+        total.ok += p.ok
+        total.rows += p.rows
+        total.tokens += p.tokens
+        total.mismatched += p.mismatched
+        total.errors.update(p.errors)
+        total.latencies_s.extend(p.latencies_s)
+        if p.mean_batch_rows:
+            batches += p.rows / p.mean_batch_rows
+            rows += p.rows
+    total.mean_batch_rows = rows / batches if batches else None
+    return total
 
 
 def _error_kind(e: Exception) -> str:
@@ -206,12 +239,18 @@ class InProcessTarget:
 
 
 class HttpTarget:
-    """Calls go to a server through ``tritonclient.http`` (one client per thread), binary tensors."""
+    """Calls go to a server through ``tritonclient.http`` (one client per thread), binary tensors.
 
-    def __init__(self, url: str, model: str, timeout_s: float = 60.0):
+    ``text=True``: each pool item's feeds are ``{"text": str}``, sent as a ``BYTES`` input;
+    ``outputs`` names the outputs asked for (default: all)."""
+
+    def __init__(self, url: str, model: str, timeout_s: float = 60.0, *, text: bool = False,
+                 outputs: Sequence[str] | None = None):
         self.address = url.split("://", 1)[-1].rstrip("/")
         self.model = model
         self.timeout_s = timeout_s
+        self.text = text
+        self.outputs = list(outputs) if outputs else None
 
     def factory(self) -> Call:
         import tritonclient.http as httpclient
@@ -220,16 +259,19 @@ class HttpTarget:
         client = httpclient.InferenceServerClient(
             self.address, connection_timeout=self.timeout_s, network_timeout=self.timeout_s
         )
-        model = self.model
+        model, text = self.model, self.text
+        requested = [httpclient.InferRequestedOutput(n) for n in self.outputs] if self.outputs else None
 
         class _Call:
             def __call__(self, feeds):
                 inputs = []
                 for name, arr in feeds.items():
-                    i = httpclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+                    if text:
+                        arr = np.array([str(arr).encode()], dtype=object)
+                    i = httpclient.InferInput(name, list(arr.shape), "BYTES" if text else np_to_triton_dtype(arr.dtype))
                     i.set_data_from_numpy(arr, binary_data=True)
                     inputs.append(i)
-                result = client.infer(model, inputs)
+                result = client.infer(model, inputs, outputs=requested)
                 return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
 
             def close(self):
@@ -238,13 +280,107 @@ class HttpTarget:
         return _Call()
 
 
+class TextInProcessTarget:
+    """Texts tokenised and submitted to a batcher in this process, exactly as the server does."""
+
+    def __init__(self, batcher, tokenizer, outputs: Sequence[str] | None = None):
+        self.batcher, self.tokenizer = batcher, tokenizer
+        self.outputs = list(outputs) if outputs else None
+
+    def factory(self) -> Call:
+        from attnx.runtime.text import text_feeds
+
+        inputs = self.batcher.session.inputs
+
+        def call(feeds):
+            encoded = self.tokenizer.tokenize([feeds["text"]])[0]
+            return self.batcher.infer(text_feeds(inputs, encoded), output_names=self.outputs)
+
+        return call
+
+
+def text_pool(tokenizer, count: int = 64, *, min_tokens: int = 3, max_tokens: int = 300, seed: int = 0
+              ) -> list[tuple[dict, int, int]]:
+    """``count`` texts of real vocabulary words, their token counts (special tokens included, before any
+    truncation) spread uniformly over ``[min_tokens, max_tokens]``: ``({"text": str}, 1, tokens)`` items
+    for :func:`run_load` (tokens counted as the model runs them, truncated)."""
+    vocab = tokenizer._full.get_vocab()
+    words = sorted(w.lstrip("\u0120") for w in vocab if w.lstrip("\u0120").isalpha() and len(w.lstrip("\u0120")) > 2)
+    if not words:
+        raise ValueError("the tokenizer's vocabulary has no whole words to build texts from")
+    rng = np.random.default_rng(seed)
+    targets = np.linspace(min_tokens, max_tokens, count).round().astype(int)
+    pool = []
+    for target in rng.permutation(targets):
+        text = words[int(rng.integers(len(words)))]
+        while True:
+            n = len(tokenizer._full.encode(text).ids)  # untruncated: the text's own length
+            if n >= target:
+                break
+            # Grow by about the missing tokens' worth of words at once (one word is about one token).
+            text += " " + " ".join(words[int(i)] for i in rng.integers(len(words), size=max(1, (target - n) // 2)))
+        pool.append(({"text": text}, 1, min(n, tokenizer.max_length or n)))
+    return pool
+
+
+def single_answers(call_factory: Callable[[], Call], pool: Sequence[tuple[dict, int, int]]) -> list[dict]:
+    """Each pool request's answer when it runs alone (sent one at a time): the reference for ``verify``."""
+    call = call_factory()
+    try:
+        return [dict(call(feeds)) for feeds, _, _ in pool]
+    finally:
+        close = getattr(call, "close", None)
+        if close is not None:
+            close()
+
+
+def answers_match(reference: Sequence[Mapping[str, np.ndarray]], atol: float = 1e-4):
+    """``verify`` for :func:`run_load`: the answer equals the pool item's single-run answer within ``atol``."""
+
+    def verify(index: int, answer: Mapping[str, np.ndarray]) -> bool:
+        want = reference[index]
+        if set(answer) != set(want):
+            return False
+        for name, w in want.items():
+            g = np.asarray(answer[name])
+            if g.shape != w.shape or (g.size and float(np.abs(g.astype(np.float64) - w).max()) > atol):
+                return False
+        return True
+
+    return verify
+
+
+def rss_bytes(url: str | None = None) -> int | None:
+    """Resident memory: of this process (``url=None``), or of the server at ``url`` (its ``/metrics``
+    ``process_resident_memory_bytes``); None when it cannot be read."""
+    if url is None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+    import httpx
+
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("process_resident_memory_bytes "):
+            return int(float(line.split()[1]))
+    return None
+
+
 def render(results: Sequence[LoadResult], title: str = "attnx bench", baseline: LoadResult | None = None):
     """A Rich table of results (ratios against ``baseline`` when given)."""
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("run", "clients", "ok", "errors", "req/s", "seq/s", "tokens/s", "p50 ms", "p95 ms", "p99 ms",
-                "mean batch"):
+    for col in ("run", "clients", "ok", "errors", "wrong", "req/s", "seq/s", "tokens/s", "p50 ms", "p95 ms",
+                "p99 ms", "mean batch"):
         table.add_column(col, justify="right" if col != "run" else "left")
     if baseline is not None:
         table.add_column("x throughput", justify="right")
@@ -254,6 +390,7 @@ def render(results: Sequence[LoadResult], title: str = "attnx bench", baseline: 
             str(r.concurrency),
             str(r.ok),
             str(sum(r.errors.values())),
+            str(r.mismatched),
             f"{r.requests_per_s:.1f}",
             f"{r.sequences_per_s:.1f}",
             f"{r.tokens_per_s:.0f}",

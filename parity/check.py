@@ -7,6 +7,10 @@
 and with the engine where it can run (a GPU of the architecture it was built for; otherwise one
 line says why and the rest is checked). ``Comparator.compare_accuracy`` with the tie-aware compare
 function (:mod:`attnx.parity.compare`); relative errors are relative to the reference.
+
+Pretrained exports go to :mod:`attnx.parity.pretrained` (real text, the original model). An engine
+is never taken on trust: one without a sidecar must be intact (its plan header's size) and able to
+run here, and one that should run here must load (:func:`open_engine`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import attnx
-from attnx.contract import ContractError, ModelInfo, read_sidecar, sha256_file, verify_engine
+from attnx.contract import ContractError, ModelInfo, contained, read_sidecar, sha256_file, sidecar_path, verify_engine
 from attnx.engine import runner as engine_runner
 from attnx.parity.cases import Case, ParityDataLoader, ParityError, check_in_profile, default_cases, parse_cases
 from attnx.parity.compare import TieAwareCompareFunc, TieTracker, main_outputs, resolve_tolerances, tie_margins
@@ -65,6 +69,26 @@ def _other_lowering_file(model, info: ModelInfo, source: Path, folder: Path, wei
     return path, other
 
 
+def onnx_for_engine(engine: str | os.PathLike) -> Path | None:
+    """The ONNX an engine was built from, as its sidecar names it (None without a sidecar or when the
+    file is gone). The sidecar is file contents: a path outside the engine's folder is refused."""
+    engine = Path(engine)
+    sidecar = read_sidecar(engine) if engine.is_file() else None
+    if not sidecar:
+        return None
+    names = [str(n) for n in (sidecar.get("onnx"), sidecar.get("onnx_name")) if n]
+    found = []
+    for name in names:
+        try:
+            found.append(contained(engine.parent, name, f"the ONNX named by {sidecar_path(engine).name}"))
+        except ContractError:
+            continue
+    if names and not found:
+        raise ParityError(f"{sidecar_path(engine).name} names its ONNX at {names[0]!r}, outside {engine.parent.resolve()}: "
+                          "refused (pass the ONNX file to check)")
+    return next((p for p in found if p.is_file()), None)
+
+
 def find_engine_for(model: Path) -> Path | None:
     """``<stem>.engine`` beside ``model`` when its sidecar says it was built from this file."""
     candidate = model.with_suffix(".engine")
@@ -80,7 +104,7 @@ def find_engine_for(model: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _quiet_polygraphy(verbose: bool):
+def quiet_polygraphy(verbose: bool):
     from polygraphy.logger import G_LOGGER
 
     saved = G_LOGGER.module_severity
@@ -101,7 +125,7 @@ def _quiet_polygraphy(verbose: bool):
             ort.set_default_logger_severity(ort_saved)
 
 
-def _engine_profiles(profiles: dict, sidecar: dict | None) -> dict:
+def engine_profiles(profiles: dict, sidecar: dict | None) -> dict:
     """Cases must fit both the model's and the engine's profiles."""
     out = dict(profiles)
     for axis, rng in ((sidecar or {}).get("profiles") or {}).items():
@@ -113,14 +137,40 @@ def _engine_profiles(profiles: dict, sidecar: dict | None) -> dict:
     return out
 
 
-def _open_engine(engine: Path, model_path: Path, model_sha: str, plugins) -> tuple[dict, dict | None, object]:
-    """Verify the engine and decide whether it runs here: (report entry, sidecar, runner or None)."""
+def _plan_size_problem(engine: Path) -> str | None:
+    """Why an engine without a sidecar is visibly truncated: TensorRT-RTX plans (``vtrt``) record
+    their total size as a little-endian uint64 at byte 16 (measured with TensorRT-RTX 1.7)."""
+    size = engine.stat().st_size
+    with open(engine, "rb") as f:
+        head = f.read(24)
+    if head[:4] == b"vtrt" and len(head) == 24:
+        declared = int.from_bytes(head[16:24], "little")
+        if declared != size:
+            return f"its header declares {declared} bytes and the file has {size}"
+    elif len(head) < 24:
+        return f"it has only {size} bytes"
+    return None
+
+
+def open_engine(engine: Path, model_path: Path, model_sha: str, plugins) -> tuple[dict, dict | None, object]:
+    """Verify the engine and decide whether it runs here: (report entry, sidecar, runner or None).
+
+    An engine that cannot be verified (no sidecar) must run here, and one that should run here must
+    load: otherwise nothing about it is known, and the check says so instead of passing."""
     sidecar = verify_engine(engine)
+    if sidecar is None:
+        problem = _plan_size_problem(engine)
+        if problem:
+            raise ParityError(f"{engine} is truncated or corrupt: {problem} (rebuild it with `attnx build-engine`)")
     if sidecar is not None and sidecar.get("onnx_sha256") and sidecar["onnx_sha256"] != model_sha:
         raise ParityError(f"{engine.name} was built from {sidecar.get('onnx_name', 'another file')} "
                           f"(sha256 {sidecar['onnx_sha256'][:12]}), not from {model_path.name}: pass the ONNX "
                           "it was built from, or rebuild the engine")
     runnable, reason = engine_runner.runnable_here(sidecar)
+    if sidecar is None and not runnable:
+        raise ParityError(f"{engine.name} has no sidecar ({sidecar_path(engine).name}) to verify it against and "
+                          f"cannot run here ({reason}): nothing about it can be checked; rebuild it with `attnx "
+                          "build-engine` (which writes the sidecar), check it where it runs, or pass --no-engine")
     entry = {"path": str(engine), "sidecar": sidecar is not None, "ran": False,
              "target": (sidecar or {}).get("target"), "backend": (sidecar or {}).get("backend")}
     runner = None
@@ -128,12 +178,13 @@ def _open_engine(engine: Path, model_path: Path, model_sha: str, plugins) -> tup
         candidate = EngineRunner(engine, plugins=plugins)
         try:
             candidate.open()
-            runner = candidate
-            entry["ran"] = True
         except Exception as e:  # EngineUnavailable, a plugin library that does not load, ...
-            reason = " ".join(str(e).split())
-    if not entry["ran"]:
-        entry["reason"] = reason + (" (and it has no sidecar, so it was not verified either)" if sidecar is None else "")
+            raise ParityError(f"{engine.name} should run on this machine but does not load: "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        runner = candidate
+        entry["ran"] = True
+    else:
+        entry["reason"] = reason
     return entry, sidecar, runner
 
 
@@ -153,7 +204,7 @@ def _compare(runners: list, loader, funcs: list, verbose: bool, step):
     from polygraphy.exception import PolygraphyException
 
     try:
-        with _quiet_polygraphy(verbose):
+        with quiet_polygraphy(verbose):
             results = Comparator.run(runners, data_loader=loader)
             step("compare")
             return Comparator.compare_accuracy(results, comparisons=[(i, 0) for i in range(1, len(runners))],
@@ -166,17 +217,34 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
               workdir: str | os.PathLike = "attnx-out", cases: Sequence[Case] | None = None,
               case_specs: Iterable[str] | None = None, tolerances: Mapping[str, Sequence[float]] | None = None,
               plugins: str | os.PathLike | bool | None = True, verbose: bool = False,
-              progress=None, seed: int = 0) -> ParityReport:
+              progress=None, seed: int = 0, texts: Sequence[str] | None = None,
+              original: str | os.PathLike | None = None):
     """Compare ``model_path`` (and its other lowering, and ``engine`` where it can run) with the
     PyTorch reference. ``progress(step)`` is called with ``reference``, ``engine``, ``lowering``,
     ``run``, ``compare``. Raises :class:`ParityError` for set-up problems; a mismatch is a report
-    with ``passed == False``."""
+    with ``passed == False``.
+
+    A pretrained export (``attnx export --from-pretrained``) is checked on real text against the
+    original model too (:func:`attnx.parity.pretrained.run_text_check`; ``texts`` replace the
+    built-in ones, ``original`` the source folder its metadata names); it returns a
+    :class:`~attnx.parity.text_report.TextParityReport`."""
+    from attnx.parity.pretrained import is_pretrained, run_text_check
+
     started = time.monotonic()
     step = progress or (lambda name: None)
     model_path = Path(model_path)
 
     step("reference")
     model, info = load_reference(model_path)
+    if is_pretrained(info):
+        if cases or case_specs or tolerances:
+            raise ParityError("--case does not apply to a pretrained export: it is checked on real text "
+                              "(pass --text to choose the texts)")
+        return run_text_check(model_path, model, info, engine=engine, texts=texts, original=original,
+                              plugins=plugins, verbose=verbose, progress=step, seed=seed)
+    if texts or original is not None:
+        raise ParityError(f"--text and --original apply to pretrained exports; {model_path.name} is an attnx "
+                          "encoder checked on generated inputs (use --case)")
     precision = info.precision if info.precision in ("fp32", "fp16") else "fp32"
     tol = resolve_tolerances(model, info.outputs, precision, tolerances)
     weights_sha = sha256_file(model_path.parent / info.weights)
@@ -188,8 +256,8 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
     if engine is not None:
         step("engine")
         engine = Path(engine)
-        engine_info, sidecar, engine_runner_ = _open_engine(engine, model_path, model_sha, plugins)
-        profiles = _engine_profiles(profiles, sidecar)
+        engine_info, sidecar, engine_runner_ = open_engine(engine, model_path, model_sha, plugins)
+        profiles = engine_profiles(profiles, sidecar)
 
     where = "engine's" if engine is not None else "model's"
     if cases is None:

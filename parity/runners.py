@@ -60,11 +60,19 @@ class TorchReferenceRunner(_base_runner()):
     """The PyTorch reference (CPU, fp32) of an attnx export, as a Polygraphy runner.
 
     Float inputs are run in fp32 whatever the file's precision (the reference of an fp16 file
-    is the fp32 model on the same, fp16-rounded, inputs)."""
+    is the fp32 model on the same, fp16-rounded, inputs). ``float64=True`` runs a float64 copy of
+    the model instead: how far the fp32 reference is from it measures how much the model itself
+    amplifies fp32 rounding (:mod:`attnx.parity.text_report`)."""
 
-    def __init__(self, model, inputs: Sequence[TensorEntry], outputs: Sequence[str], name: str = REFERENCE):
+    def __init__(self, model, inputs: Sequence[TensorEntry], outputs: Sequence[str], name: str = REFERENCE,
+                 float64: bool = False):
         super().__init__(name=name, prefix="torch-reference")
+        if float64:
+            import copy
+
+            model = copy.deepcopy(model).double()
         self.model = model.eval()
+        self.float64 = float64
         self.inputs = list(inputs)
         self.output_names = list(outputs)
 
@@ -93,14 +101,18 @@ class TorchReferenceRunner(_base_runner()):
         tensors = {}
         for name, arr in feed_dict.items():
             t = torch.from_numpy(np.ascontiguousarray(arr))
-            tensors[name] = t.float() if t.is_floating_point() else t
+            if t.is_floating_point():
+                t = t.double() if self.float64 else t.float()
+            tensors[name] = t
         with torch.no_grad(), reference():
             result = self.model.forward_named(tensors)
         outputs = OrderedDict()
         for name in self.output_names:
             if name in result:
                 value = result[name].detach()
-                outputs[name] = (value.float() if value.is_floating_point() else value).numpy()
+                if value.is_floating_point() and not self.float64:
+                    value = value.float()
+                outputs[name] = value.numpy()
         for name, values in margins(self.model).items():
             outputs[MARGIN_PREFIX + name] = values
         self.inference_time = time.perf_counter() - start

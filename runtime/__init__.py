@@ -1,7 +1,9 @@
 """attnx runtime, the serving stack: load a model once, run it many times, batch concurrent requests, serve it.
 
-Modules: ``session`` (the :class:`Session` interface, feed checks, :func:`load`), ``backends/``
-(ONNX Runtime, TensorRT engines), ``batcher``, ``protocol`` (KServe v2), ``server``, ``metrics``.
+Modules: ``session`` (the :class:`Session` interface, feed checks, :func:`load`), ``axes`` (batch and
+sequence axes of any ONNX file), ``backends/`` (ONNX Runtime, TensorRT engines), ``batcher``, ``text``
+(tokenising), ``encode`` (embedded text use), ``protocol`` (KServe v2 requests), ``http_codec``,
+``service`` (what both front ends share), ``server`` (HTTP), ``grpc_server``, ``metrics``.
 Offline tooling lives elsewhere: engines in :mod:`attnx.engine`, parity in :mod:`attnx.parity`,
 Triton repositories and load tests in :mod:`attnx.deploy`.
 
@@ -11,6 +13,8 @@ Public names (see docs/embedding.md for a service embedding them):
   ONNX Runtime, ``.engine`` through :mod:`attnx.engine`); ``.inputs``,
   ``.outputs`` (:class:`TensorSpec`), ``.run(feeds) -> outputs``; thread-safe.
 - :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching.
+- :class:`TextModel`: a text model with its tokenizer, ``encode(sentences, ...)`` as
+  sentence-transformers has it, ``logits(texts)`` for causal LMs (``encode``).
 - :class:`InferenceServer`: the KServe v2 HTTP server (``attnx serve``); needs the
   ``serve`` extra (fastapi, uvicorn, prometheus-client).
 """
@@ -22,6 +26,7 @@ from attnx.runtime.batcher import (
     QueueFullError,
     RequestTimeoutError,
 )
+from attnx.runtime.encode import TextModel
 from attnx.runtime.session import InputError, Session, TensorSpec, load
 
 __all__ = [
@@ -35,6 +40,7 @@ __all__ = [
     "RequestTimeoutError",
     "BatcherClosedError",
     "InferenceServer",
+    "TextModel",
 ]
 
 

@@ -2,12 +2,12 @@
 
 Triton's dynamic batcher only groups requests whose shapes already match; ours
 pads. Requests of different sequence lengths are padded to the longest one in
-the batch (the ``attention_mask`` with 0 = padding, every other ``seq`` input
-with 0), concatenated along ``batch``, run once, and the outputs are split back
+the batch (the ``attention_mask`` with 0 = padding, token ids with the pad id,
+every other ``seq`` input with 0), concatenated along ``batch``, run once, and the outputs are split back
 by rows and sliced back to each request's own length. Because padded keys are
 masked, a request's result equals running it alone (up to float summation order).
 
-Rules, all derived from the model's own dims (dim_param ``batch`` / ``seq``):
+Rules, all derived from the model's batch and seq axes (:mod:`attnx.runtime.axes` finds them):
 
 - Requests batch together only when every non-batch, non-seq dim matches
   (their "batch key"). Inputs with a ``seq`` axis are padded only when the model
@@ -25,6 +25,9 @@ Rules, all derived from the model's own dims (dim_param ``batch`` / ``seq``):
   :class:`RequestTimeoutError` when the worker next forms a batch (so a caller
   may hear it only after the batch running then). Once in a batch it completes.
 - A request may omit ``attention_mask``: all ones for its length.
+- Inputs are checked (names, dtypes, dims, id ranges) before they join a batch. If a
+  merged batch still fails, each of its requests is run alone, so only the culprit
+  fails; a runtime's refusal of one request's inputs is an :class:`InputError`.
 
 One worker thread per batcher pulls from the queue, so the model runs one batch
 at a time and callers (threads or an asyncio loop) never block on compute.
@@ -43,8 +46,8 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from attnx.contract import Role
-from attnx.runtime.session import InputError, Session, TensorSpec
+from attnx.contract import BATCH, SEQ, Role
+from attnx.runtime.session import InputError, Session, TensorSpec, model_input_error
 
 
 class QueueFullError(RuntimeError):
@@ -118,20 +121,44 @@ class Prepared:
 
 
 class BatchLayout:
-    """Where the batch and seq axes are for every input and output of a session."""
+    """Where the batch and seq axes are for every input and output of a session, and what padding is.
 
-    def __init__(self, inputs: list[TensorSpec], outputs: list[TensorSpec]):
+    ``pad_values``: the value padded positions of an input get (default 0; token ids take the
+    tokenizer's pad id, see :func:`pad_values`)."""
+
+    def __init__(self, inputs: list[TensorSpec], outputs: list[TensorSpec],
+                 pad_values: Mapping[str, int | float] | None = None):
         self.inputs = inputs
         self.outputs = outputs
+        self.pad_values = dict(pad_values or {})
         self.mask = next((s for s in inputs if s.role == Role.ATTENTION_MASK), None)
-        # Batching is only safe when every tensor has a batch axis to split along.
-        self.can_batch = all(s.batch_axis is not None for s in inputs + outputs)
-        # Padding is only safe when padded positions can be masked out.
-        self.can_pad = self.mask is not None and self.mask.seq_axis is not None
+        # A head mask has no batch axis: requests with the same value share a run (its bytes join the key).
+        self.shared = [s.name for s in inputs if s.batch_axis is None and s.role == Role.HEAD_MASK]
+        # Batching is only safe when every other tensor has a batch axis to split along.
+        self.unbatchable = [s.name for s in inputs + outputs if s.batch_axis is None and s.name not in self.shared]
+        self.can_batch = not self.unbatchable
+        # Padding is only safe when padded positions can be masked out, and every output's
+        # dynamic dims are known (one that follows the padded length could not be cut back).
+        self.unknown_output_dims = [s.name for s in outputs
+                                    if any(isinstance(d, str) and d not in (BATCH, SEQ) for d in s.shape)]
+        self.can_pad = self.mask is not None and self.mask.seq_axis is not None and not self.unknown_output_dims
 
     @classmethod
-    def of(cls, session: Session) -> "BatchLayout":
-        return cls(session.inputs, session.outputs)
+    def of(cls, session: Session, pad_id: int | None = None) -> "BatchLayout":
+        return cls(session.inputs, session.outputs, pad_values(session.inputs, pad_id))
+
+    def verdict(self) -> str:
+        """How requests to this model are batched, in one sentence (for ``--describe`` and warnings)."""
+        if not self.can_batch:
+            return (f"served unbatched (one request per run): no batch axis found for {self.unbatchable}; "
+                    f"name it with --batch-axis NAME=AXIS to batch")
+        if self.can_pad:
+            return f"batched and padded: shorter requests are padded and masked with {self.mask.name!r}"
+        if not any(s.seq_axis is not None for s in self.inputs):
+            return "batched (no sequence axis)"
+        why = (f"outputs {self.unknown_output_dims} have dynamic dims of unknown meaning"
+               if self.unknown_output_dims else "the model has no attention-mask input")
+        return f"batched across equal lengths only, never padded: {why}"
 
     def prepare(self, feeds: dict[str, np.ndarray]) -> Prepared:
         """Rows, length and batch key of already-checked feeds."""
@@ -139,6 +166,9 @@ class BatchLayout:
         key: list[Any] = []
         for spec in self.inputs:
             arr = feeds[spec.name]
+            if spec.name in self.shared:
+                key.append((spec.name, arr.shape, arr.tobytes()))
+                continue
             b, s = spec.batch_axis, spec.seq_axis
             if b is not None:
                 rows = arr.shape[b] if rows is None else rows
@@ -166,14 +196,17 @@ class BatchLayout:
         merged: dict[str, np.ndarray] = {}
         for spec in self.inputs:
             first = items[0].feeds[spec.name]
+            if spec.name in self.shared:  # equal in every request (the batch key)
+                merged[spec.name] = first
+                continue
             b, s = spec.batch_axis, spec.seq_axis
             shape = list(first.shape)
             shape[b] = total  # type: ignore[index]
             if s is not None:
                 shape[s] = longest  # type: ignore[index]
-            # Zeros are the padding: mask 0 = "not a token", and any other seq input's
-            # padded positions only ever meet masked keys or discarded query rows.
-            out = np.zeros(shape, dtype=first.dtype)
+            # Mask 0 = "not a token"; every other seq input's padded positions only ever meet
+            # masked keys or discarded query rows, so any in-range value (the pad id) does.
+            out = np.full(shape, self.pad_values.get(spec.name, 0), dtype=first.dtype)
             offset = 0
             for p in items:
                 arr = p.feeds[spec.name]
@@ -194,17 +227,25 @@ class BatchLayout:
         specs = {s.name: s for s in self.outputs}
         for name, arr in outputs.items():
             spec = specs[name]
-            b, s = spec.batch_axis, spec.seq_axis
+            b = spec.batch_axis
+            seq_axes = [axis for axis, d in enumerate(spec.shape) if d == SEQ]  # [.., seq, seq]: both
             offset = 0
             for i, p in enumerate(items):
                 index: list[slice] = [slice(None)] * arr.ndim
                 index[b] = slice(offset, offset + p.rows)  # type: ignore[index]
-                if s is not None and p.length is not None:
+                for s in seq_axes if p.length is not None else ():
                     index[s] = slice(0, p.length)
                 # A copy, so a caller holding its result does not pin the whole batch.
                 results[i][name] = np.ascontiguousarray(arr[tuple(index)])
                 offset += p.rows
         return results
+
+
+def pad_values(inputs: list[TensorSpec], pad_id: int | None) -> dict[str, int]:
+    """What padded positions hold: ``pad_id`` for token ids (when known), 0 for everything else."""
+    if pad_id is None:
+        return {}
+    return {s.name: int(pad_id) for s in inputs if s.role == Role.INPUT_IDS}
 
 
 # --------------------------------------------------------------------------------------
@@ -255,12 +296,15 @@ class DynamicBatcher:
         *,
         observer: BatchObserver | None = None,
         name: str | None = None,
+        pad_id: int | None = None,
     ):
         self.session = session
         self.config = config or BatcherConfig()
         self.observer = observer
         self.name = name or session.path.stem
-        self.layout = BatchLayout.of(session)
+        if pad_id is None and session.info is not None and session.info.tokenizer:
+            pad_id = session.info.tokenizer.get("pad_id")
+        self.layout = BatchLayout.of(session, pad_id)
         self.stats = BatcherStats()
         self._waiting: deque[_Request] = deque()
         self._cond = threading.Condition()
@@ -439,22 +483,36 @@ class DynamicBatcher:
         return [r for r in chosen if r.future.set_running_or_notify_cancel()]
 
     def _run(self, batch: list[_Request]) -> None:
+        wanted = self._wanted_outputs(batch)
         start = time.perf_counter()
-        items = [r.prepared for r in batch]
         try:
-            feeds, _ = self.layout.merge(items)
-            wanted = self._wanted_outputs(batch)
-            outputs = self.session._run(feeds, wanted)
-            results = self.layout.split(outputs, items)
-        except BaseException as e:  # noqa: BLE001 - every caller must hear about it, the worker must live
-            self.stats.failed += len(batch)
+            results = self._execute([r.prepared for r in batch], wanted)
+        except Exception as e:  # noqa: BLE001 - every caller must hear about it, the worker must live
+            if len(batch) == 1:
+                self._fail(batch, model_input_error(e) or e)
+                return
+            # One request's inputs can fail a merged run (a value no check could foresee): run each
+            # alone, so only the culprit fails and its neighbours get their results.
             for req in batch:
-                req.future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
-            if not isinstance(e, Exception):
-                raise
+                self._run([req])
             return
+        except BaseException as e:
+            self._fail(batch, RuntimeError(repr(e)))
+            raise
+        self._deliver(batch, results, start)
+
+    def _execute(self, items: list[Prepared], wanted: list[str]) -> list[dict[str, np.ndarray]]:
+        feeds, _ = self.layout.merge(items)
+        return self.layout.split(self.session._run(feeds, wanted), items)
+
+    def _fail(self, batch: list[_Request], error: Exception) -> None:
+        self.stats.failed += len(batch)
+        for req in batch:
+            req.future.set_exception(error)
+
+    def _deliver(self, batch: list[_Request], results: list[dict[str, np.ndarray]], start: float) -> None:
         compute = time.perf_counter() - start
-        rows = sum(p.rows for p in items)
+        rows = sum(r.prepared.rows for r in batch)
         self.stats.batches += 1
         self.stats.rows += rows
         self.stats.largest_batch = max(self.stats.largest_batch, rows)

@@ -1,12 +1,14 @@
 """Prometheus metrics for the server: distributions (histograms), not only counters.
 
 Each server owns its own ``CollectorRegistry`` so several servers in one
-process (tests, embedding) do not collide in the global registry.
+process (tests, embedding) do not collide in the global registry. It also
+carries the process collector (``process_resident_memory_bytes``, CPU seconds,
+open files), so a load test can read the server's memory from ``/metrics``.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
 # Seconds: sub-millisecond to tens of seconds (CPU batches of long sequences are slow).
@@ -29,7 +31,10 @@ class ServerMetrics:
     """All metrics of one server, in one registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+        self.registry = registry
         r = self.registry
         self.request_latency = Histogram(
             "attnx_request_latency_seconds",

@@ -1,31 +1,32 @@
-"""KServe v2 / Open Inference Protocol messages, as Triton speaks them over HTTP.
+"""KServe v2 / Open Inference Protocol requests, independent of the transport.
 
-Pure functions, no HTTP framework: parse an infer request body (JSON tensors
-and the binary tensor data extension) into checked numpy feeds, and encode
-outputs back. Everything a client sends is validated here, so the server can
-answer a bad request with a 4xx and one line saying what was wrong instead of
-letting it reach the model.
+The HTTP codec (:mod:`attnx.runtime.http_codec`: JSON and the binary tensor extension) and the gRPC
+service (:mod:`attnx.runtime.grpc_server`) each turn what arrived into :class:`WireTensor` items;
+:func:`build_infer_request` checks them against the model (:class:`ModelSignature`) and gives an
+:class:`InferRequest` of numpy feeds, or of texts for a model with a tokenizer. Everything a client
+sends is validated here, so both transports answer a bad request with the same one-line message
+(HTTP 400, gRPC ``INVALID_ARGUMENT``) before it can reach the model.
 
-Binary tensor data extension: the body is a JSON header followed by raw
-little-endian tensor bytes; the ``Inference-Header-Content-Length`` HTTP header
-gives the JSON part's length, and each binary input says its
-``parameters.binary_data_size``, in the order the inputs are listed.
+Text: a model that carries a tokenizer takes a ``BYTES`` input (``text``, shape ``[N]``, one string
+per row) in place of its token ids; mixing the two in one request is refused. ``BYTES`` elements are
+UTF-8, and on the wire (binary extension, gRPC ``raw_input_contents``) each is a 4-byte little-endian
+length followed by its bytes, as Triton lays them out.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import zlib
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
-from attnx.runtime.session import TensorSpec
+from attnx.runtime.session import ON_REQUEST_OUTPUT, OPTIONAL_ROLES, InputError, TensorSpec
+from attnx.runtime.text import TEXT_ROLES, decode_text
 
-#: Protocol datatype strings <-> numpy (little-endian on the wire).
+#: Protocol datatype strings <-> numpy (little-endian on the wire). ``BYTES`` is text, handled apart.
 TRITON_TO_NUMPY: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
     "UINT8": np.dtype("<u1"),
@@ -40,8 +41,11 @@ TRITON_TO_NUMPY: dict[str, np.dtype] = {
     "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
 }
+BYTES = "BYTES"
 #: Valid in the protocol, but no attnx model takes them.
-UNSUPPORTED_DATATYPES = {"BYTES", "BF16"}
+UNSUPPORTED_DATATYPES = {"BF16"}
+#: The name of the text input of a model with a tokenizer.
+TEXT_INPUT = "text"
 
 
 def triton_dtype(dtype: np.dtype) -> str:
@@ -79,22 +83,42 @@ class NotFound(ProtocolError):
     reason = "unknown_model"
 
 
+class Overloaded(ProtocolError):
+    status = 503
+    reason = "overload"
+
+    def __init__(self, message: str, reason: str = "overload"):
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass
 class Limits:
     """What one request may ask of the server.
 
-    - ``max_body_bytes``: the HTTP body (after decompression), default 64 MiB.
+    - ``max_body_bytes``: the HTTP body (after decompression) or gRPC message, default 64 MiB.
     - ``max_tensor_elements``: elements in one tensor (checked on the declared
       shape, before any allocation), default 16 Mi.
     - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
     - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it
       declares one, else unlimited).
+    - ``max_texts``: strings in one text request, default 1024.
     """
 
     max_body_bytes: int = 64 << 20
     max_tensor_elements: int = 16 << 20
     max_request_elements: int = 32 << 20
     max_seq: int | None = None
+    max_texts: int = 1024
+
+
+@dataclass
+class TextInput:
+    """A model's text input: its name and how it is tokenised (what clients are told)."""
+
+    name: str
+    max_length: int | None
+    truncation_side: str
 
 
 @dataclass
@@ -106,28 +130,36 @@ class ModelSignature:
     outputs: list[TensorSpec]
     max_batch_size: int
     max_seq: int | None = None
+    text: TextInput | None = None
 
     def input(self, name: str) -> TensorSpec | None:
         return next((s for s in self.inputs if s.name == name), None)
 
     @property
     def optional_inputs(self) -> set[str]:
-        # The attention mask may be omitted: it then means all ones (see session.py).
-        return {s.name for s in self.inputs if s.role == Role.ATTENTION_MASK}
+        # The attention mask, segment ids and a head mask may be omitted: all ones / zeros / all ones
+        # (no head ablated) then (see session.py).
+        return {s.name for s in self.inputs if s.role in OPTIONAL_ROLES or s.role == Role.HEAD_MASK}
+
+    @property
+    def text_filled(self) -> set[str]:
+        """Inputs a text request fills in itself (token ids, mask, segment ids)."""
+        return {s.name for s in self.inputs if s.role in TEXT_ROLES}
 
 
 @dataclass
 class InferRequest:
-    """A parsed, checked infer request."""
+    """A parsed, checked infer request: numpy ``feeds``, plus ``texts`` for a text request."""
 
     id: str | None
     feeds: dict[str, np.ndarray]
     #: Output names asked for, in order (None: all outputs).
     outputs: list[str] | None
-    #: Per output: send as binary data?
+    #: Per output: send as binary data? (HTTP only.)
     binary: dict[str, bool] = field(default_factory=dict)
     binary_default: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
+    texts: list[str] | None = None
 
     @property
     def timeout_ms(self) -> float | None:
@@ -137,69 +169,44 @@ class InferRequest:
             return t / 1000.0
         return None
 
+    @property
+    def truncate(self) -> bool:
+        """Cut texts past the max length (the default), or refuse them (``parameters.truncate: false``)."""
+        return self.parameters.get("truncate", True) is not False
+
+
+@dataclass
+class WireTensor:
+    """One input as a transport delivered it: exactly one of ``data`` (JSON values, flat or nested),
+    ``raw`` (little-endian bytes) or ``contents`` (gRPC typed values, flat) is set."""
+
+    name: str
+    datatype: str
+    shape: Any
+    parameters: dict = field(default_factory=dict)
+    data: Any = None
+    raw: bytes | memoryview | None = None
+    contents: Any = None
+
+
+@dataclass
+class RequestedOutput:
+    name: str
+    parameters: dict = field(default_factory=dict)
+
 
 # --------------------------------------------------------------------------------------
-# Request body helpers
+# Checking and decoding tensors
 # --------------------------------------------------------------------------------------
-
-
-def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """Undo ``Content-Encoding: gzip|deflate`` with a bound on the output (no zip bombs)."""
-    if not encoding or encoding.lower() == "identity":
-        return body
-    enc = encoding.lower()
-    if enc not in ("gzip", "deflate"):
-        raise BadRequest(f"unsupported Content-Encoding {encoding!r} (gzip, deflate or none)")
-    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise BadRequest(f"cannot decompress the {enc} body: {e}") from None
-    if len(out) > limit:
-        raise TooLarge(f"decompressed body exceeds the limit of {limit} bytes")
-    if not d.eof:
-        raise BadRequest(f"truncated {enc} body")
-    return out
-
-
-def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
-    """JSON part and binary part, from ``Inference-Header-Content-Length``."""
-    if header_length is None:
-        return body, b""
-    text = header_length.strip()
-    if not text.isdigit():
-        raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer, got {header_length!r}")
-    n = int(text)
-    if n == 0 or n > len(body):
-        raise BadRequest(f"Inference-Header-Content-Length {n} is outside the body (length {len(body)})")
-    return body[:n], body[n:]
-
-
-def _reject_constant(name: str) -> float:
-    # Python's json accepts NaN/Infinity, which JSON does not have; refuse them at parse time.
-    raise BadRequest(f"invalid JSON number {name}")
-
-
-def parse_json(part: bytes) -> Any:
-    try:
-        return json.loads(part, parse_constant=_reject_constant)
-    except BadRequest:
-        raise
-    except UnicodeDecodeError:
-        raise BadRequest("request JSON is not valid UTF-8") from None
-    except RecursionError:
-        raise BadRequest("request JSON is nested too deeply") from None
-    except ValueError as e:
-        raise BadRequest(f"malformed request JSON: {e}") from None
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _json_to_array(name: str, data: Any, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
-    """JSON tensor data (flat or nested list, row-major) -> array, with strict element types."""
-    if not isinstance(data, list):
+def _values_to_array(name: str, data: Any, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
+    """JSON / typed values (flat or nested list, row-major) -> array, with strict element types."""
+    if not isinstance(data, (list, tuple)) and not hasattr(data, "__len__"):
         raise BadRequest(f"input {name!r}: 'data' must be a list")
     try:
         raw = np.array(data)
@@ -224,6 +231,17 @@ def _json_to_array(name: str, data: Any, dtype: np.dtype, shape: list[int], coun
         if raw.min() < info.min or raw.max() > info.max:
             raise BadRequest(f"input {name!r}: value out of range for {triton_dtype(dtype)}")
     return raw.astype(dtype, copy=False).reshape(shape)
+
+
+def _raw_to_array(name: str, raw, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
+    expected = count * dtype.itemsize
+    if len(raw) != expected:
+        raise BadRequest(f"input {name!r}: {len(raw)} bytes of binary data, but shape {shape} of "
+                         f"{triton_dtype(dtype)} is {expected} bytes")
+    arr = np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+    if not arr.flags.aligned:  # an FP16 tensor of odd length shifts the ones after it
+        arr = arr.copy()
+    return arr
 
 
 def _check_shape(spec: TensorSpec, shape: Any, sig: ModelSignature, limits: Limits) -> list[int]:
@@ -258,23 +276,64 @@ def _check_values(spec: TensorSpec, arr: np.ndarray) -> None:
         raise BadRequest(f"input {spec.name!r}: an attention mask holds only 0 (padding) and 1 (token)")
 
 
-def parse_infer_request(
-    body: bytes, header_length: str | None, sig: ModelSignature, limits: Limits
-) -> InferRequest:
-    """Parse and check a whole infer request body against the model's signature."""
-    json_part, binary_part = split_body(body, header_length)
+def split_bytes(raw, count: int, name: str) -> list[bytes]:
+    """A serialized BYTES tensor (each element: 4-byte little-endian length, then the bytes) -> elements."""
+    view = memoryview(raw)
+    out: list[bytes] = []
+    offset = 0
+    while offset < len(view):
+        if offset + 4 > len(view):
+            raise BadRequest(f"input {name!r}: BYTES data ends inside an element's 4-byte length")
+        (size,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + size > len(view):
+            raise BadRequest(f"input {name!r}: BYTES element {len(out)} runs past the data ({size} bytes declared)")
+        out.append(bytes(view[offset:offset + size]))
+        offset += size
+    if len(out) != count:
+        raise BadRequest(f"input {name!r}: BYTES data holds {len(out)} elements, shape needs {count}")
+    return out
+
+
+def _decode_texts(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[str]:
+    """The strings of a text input, checked: shape ``[N]``, UTF-8, not empty."""
+    text = sig.text
+    assert text is not None
+    shape = t.shape
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        raise BadRequest(f"input {t.name!r}: 'shape' must be a list of integers")
+    if len(shape) != 1 or not 1 <= shape[0] <= limits.max_texts:
+        raise BadRequest(f"input {t.name!r}: shape {shape}, expected [N] with 1 <= N <= {limits.max_texts} "
+                         f"(one string per row)")
+    count = shape[0]
+    if t.raw is not None:
+        values: list = split_bytes(t.raw, count, t.name)
+    elif t.data is not None or t.contents is not None:
+        values = list(t.data if t.data is not None else t.contents)
+        if len(values) != count:
+            raise BadRequest(f"input {t.name!r}: 'data' has {len(values)} elements, shape {shape} needs {count}")
+    else:
+        raise BadRequest(f"input {t.name!r}: no data")
     try:
-        req = parse_json(json_part)
-    except BadRequest as e:
-        if header_length is None and b"binary_data_size" in body:
-            raise BadRequest(f"{e.message} (binary tensor data needs the Inference-Header-Content-Length header)")
-        raise
-    if not isinstance(req, dict):
-        raise BadRequest("request body must be a JSON object")
-    request_id = req.get("id")
+        texts = [decode_text(v, i) for i, v in enumerate(values)]
+    except InputError as e:
+        raise BadRequest(f"input {t.name!r}: {e}") from None
+    for i, s in enumerate(texts):
+        if not s.strip():
+            raise BadRequest(f"input {t.name!r}: text {i} is empty{' (only whitespace)' if s else ''}")
+    return texts
+
+
+# --------------------------------------------------------------------------------------
+# Whole requests
+# --------------------------------------------------------------------------------------
+
+
+def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor], requested: Any,
+                        sig: ModelSignature, limits: Limits) -> InferRequest:
+    """Check a request's parts against the model and decode them (see the module doc)."""
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest("'id' must be a string")
-    params = req.get("parameters", {})
     if not isinstance(params, dict):
         raise BadRequest("'parameters' must be an object")
     binary_default = params.get("binary_data_output", False)
@@ -283,83 +342,77 @@ def parse_infer_request(
     timeout = params.get("timeout")
     if timeout is not None and (not _is_int(timeout) or timeout < 0):
         raise BadRequest("'timeout' must be a non-negative integer (microseconds)")
-
-    inputs = req.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
+    if not isinstance(params.get("truncate", True), bool):
+        raise BadRequest("'truncate' must be a boolean")
+    if not tensors:
         raise BadRequest("'inputs' must be a non-empty list")
     feeds: dict[str, np.ndarray] = {}
-    offset = 0
+    texts: list[str] | None = None
     total_elements = 0
-    for item in inputs:
-        if not isinstance(item, dict):
-            raise BadRequest("each input must be an object")
-        name = item.get("name")
-        if not isinstance(name, str):
+    for t in tensors:
+        if not isinstance(t.name, str):
             raise BadRequest("each input needs a string 'name'")
-        spec = sig.input(name)
+        if not isinstance(t.datatype, str):
+            raise BadRequest(f"input {t.name!r}: 'datatype' must be a string")
+        if t.name in feeds or (texts is not None and sig.text is not None and t.name == sig.text.name):
+            raise BadRequest(f"input {t.name!r} given twice")
+        if not isinstance(t.parameters, dict):
+            raise BadRequest(f"input {t.name!r}: 'parameters' must be an object")
+        if "shared_memory_region" in t.parameters:
+            raise BadRequest(f"input {t.name!r}: shared memory is not supported by this server")
+        if sig.text is not None and t.name == sig.text.name:
+            if t.datatype != BYTES:
+                raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the text input takes BYTES")
+            texts = _decode_texts(t, sig, limits)
+            continue
+        spec = sig.input(t.name)
+        if t.datatype == BYTES:
+            if sig.text is None:
+                raise BadRequest(f"model {sig.name!r} has no tokenizer, so it takes no text (BYTES input "
+                                 f"{t.name!r}); send its inputs {[s.name for s in sig.inputs]}")
+            raise BadRequest(f"input {t.name!r}: BYTES is only for the text input {sig.text.name!r}")
         if spec is None:
-            raise BadRequest(f"unknown input {name!r}; model {sig.name!r} takes {[s.name for s in sig.inputs]}")
-        if name in feeds:
-            raise BadRequest(f"input {name!r} given twice")
-        datatype = item.get("datatype")
-        if not isinstance(datatype, str):
-            raise BadRequest(f"input {name!r}: 'datatype' must be a string")
-        if datatype in UNSUPPORTED_DATATYPES or datatype not in TRITON_TO_NUMPY:
-            known = "unsupported" if datatype in UNSUPPORTED_DATATYPES else "unknown"
-            raise BadRequest(f"input {name!r}: {known} datatype {datatype!r}")
+            raise BadRequest(f"unknown input {t.name!r}; model {sig.name!r} takes {_input_names(sig)}")
+        if t.datatype in UNSUPPORTED_DATATYPES or t.datatype not in TRITON_TO_NUMPY:
+            known = "unsupported" if t.datatype in UNSUPPORTED_DATATYPES else "unknown"
+            raise BadRequest(f"input {t.name!r}: {known} datatype {t.datatype!r}")
         want = triton_dtype(spec.dtype)
-        if datatype != want:
-            raise BadRequest(f"input {name!r}: datatype {datatype}, the model expects {want}")
-        dtype = TRITON_TO_NUMPY[datatype]
-        shape = _check_shape(spec, item.get("shape"), sig, limits)
+        if t.datatype != want:
+            raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the model expects {want}")
+        dtype = TRITON_TO_NUMPY[t.datatype]
+        shape = _check_shape(spec, t.shape, sig, limits)
         count = math.prod(shape)
         total_elements += count
         if total_elements > limits.max_request_elements:
             raise BadRequest(f"request has more than {limits.max_request_elements} elements in total")
-        iparams = item.get("parameters", {})
-        if not isinstance(iparams, dict):
-            raise BadRequest(f"input {name!r}: 'parameters' must be an object")
-        if "shared_memory_region" in iparams:
-            raise BadRequest(f"input {name!r}: shared memory is not supported by this server")
-        size = iparams.get("binary_data_size")
-        has_data = "data" in item
-        if size is not None:
-            if has_data:
-                raise BadRequest(f"input {name!r}: both 'data' and binary_data_size given")
-            if not _is_int(size) or size < 0:
-                raise BadRequest(f"input {name!r}: binary_data_size must be a non-negative integer")
-            expected = count * dtype.itemsize
-            if size != expected:
-                raise BadRequest(
-                    f"input {name!r}: binary_data_size {size}, but shape {shape} of {datatype} is {expected} bytes"
-                )
-            if offset + size > len(binary_part):
-                raise BadRequest(
-                    f"input {name!r}: binary data runs past the body ({len(binary_part) - offset} bytes left, "
-                    f"{size} needed)"
-                )
-            arr = np.frombuffer(binary_part, dtype=dtype, count=count, offset=offset).reshape(shape)
-            if not arr.flags.aligned:  # an FP16 tensor of odd length shifts the ones after it
-                arr = arr.copy()
-            offset += size
-        elif has_data:
-            arr = _json_to_array(name, item["data"], dtype, shape, count)
+        if t.raw is not None:
+            arr = _raw_to_array(t.name, t.raw, dtype, shape, count)
+        elif t.data is not None:
+            if not isinstance(t.data, list):
+                raise BadRequest(f"input {t.name!r}: 'data' must be a list")
+            arr = _values_to_array(t.name, t.data, dtype, shape, count)
+        elif t.contents is not None:
+            arr = _values_to_array(t.name, t.contents, dtype, shape, count)
         else:
-            raise BadRequest(f"input {name!r}: no 'data' and no binary_data_size")
+            raise BadRequest(f"input {t.name!r}: no 'data' and no binary_data_size")
         _check_values(spec, arr)
-        feeds[name] = arr
-    if offset != len(binary_part):
-        raise BadRequest(
-            f"binary data is {len(binary_part)} bytes but the inputs declare {offset}"
-            + ("" if header_length is not None else " (no Inference-Header-Content-Length header)")
-        )
-    missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in sig.optional_inputs]
+        feeds[t.name] = arr
+    if texts is not None:
+        mixed = sorted(sig.text_filled & set(feeds))
+        if mixed:
+            raise BadRequest(f"send either text ({sig.text.name!r}) or token ids ({mixed}), not both")
+        missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in sig.text_filled]
+    else:
+        missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in sig.optional_inputs]
     if missing:
         raise BadRequest(f"missing input(s) {missing} for model {sig.name!r}")
     _check_agreeing_dims(sig, feeds)
+    outputs, binary = _parse_requested_outputs(requested, sig, binary_default)
+    return InferRequest(request_id, feeds, outputs, binary, binary_default, params, texts)
 
-    outputs, binary = _parse_requested_outputs(req.get("outputs"), sig, binary_default)
-    return InferRequest(request_id, feeds, outputs, binary, binary_default, params)
+
+def _input_names(sig: ModelSignature) -> list[str]:
+    return ([sig.text.name] if sig.text is not None else []) + [s.name for s in sig.inputs]
 
 
 def _check_agreeing_dims(sig: ModelSignature, feeds: dict[str, np.ndarray]) -> None:
@@ -379,25 +432,30 @@ def _check_agreeing_dims(sig: ModelSignature, feeds: dict[str, np.ndarray]) -> N
                 seen.setdefault(d, (size, spec.name))
 
 
-def _parse_requested_outputs(
-    items: Any, sig: ModelSignature, binary_default: bool
-) -> tuple[list[str] | None, dict[str, bool]]:
+def _parse_requested_outputs(items: Any, sig: ModelSignature, binary_default: bool
+                             ) -> tuple[list[str] | None, dict[str, bool]]:
     names = [s.name for s in sig.outputs]
     if items is None:
-        return None, {n: binary_default for n in names}
+        default = [n for n in names if not ON_REQUEST_OUTPUT.match(n)]
+        # Attention patterns only when named: a request that names no outputs gets the others.
+        return (None if len(default) == len(names) else default), {n: binary_default for n in default}
     if not isinstance(items, list):
         raise BadRequest("'outputs' must be a list")
     wanted: list[str] = []
     binary: dict[str, bool] = {}
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        if isinstance(item, dict):
+            if not isinstance(item.get("name"), str):
+                raise BadRequest("each requested output must be an object with a string 'name'")
+            item = RequestedOutput(item["name"], item.get("parameters", {}))
+        if not isinstance(item, RequestedOutput):
             raise BadRequest("each requested output must be an object with a string 'name'")
-        name = item["name"]
+        name = item.name
         if name not in names:
             raise BadRequest(f"unknown output {name!r}; model {sig.name!r} gives {names}")
         if name in binary:
             raise BadRequest(f"output {name!r} requested twice")
-        oparams = item.get("parameters", {})
+        oparams = item.parameters
         if not isinstance(oparams, dict):
             raise BadRequest(f"output {name!r}: 'parameters' must be an object")
         if oparams.get("classification"):
@@ -410,42 +468,3 @@ def _parse_requested_outputs(
         wanted.append(name)
         binary[name] = flag
     return wanted, binary
-
-
-# --------------------------------------------------------------------------------------
-# Responses
-# --------------------------------------------------------------------------------------
-
-
-def encode_infer_response(
-    model_name: str,
-    model_version: str,
-    request: InferRequest,
-    outputs: dict[str, np.ndarray],
-    order: list[str],
-) -> tuple[bytes, int | None]:
-    """Response body, and the JSON header's length when binary outputs follow it."""
-    names = request.outputs if request.outputs is not None else [n for n in order if n in outputs]
-    entries = []
-    chunks: list[bytes] = []
-    for name in names:
-        arr = np.asarray(outputs[name])
-        entry: dict[str, Any] = {"name": name, "datatype": triton_dtype(arr.dtype), "shape": list(arr.shape)}
-        if request.binary.get(name, request.binary_default):
-            data = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
-            entry["parameters"] = {"binary_data_size": len(data)}
-            chunks.append(data)
-        else:
-            entry["data"] = arr.ravel().tolist()
-        entries.append(entry)
-    response: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
-    if request.id is not None:
-        response["id"] = request.id
-    header = json.dumps(response, separators=(",", ":")).encode()
-    if not chunks:
-        return header, None
-    return header + b"".join(chunks), len(header)
-
-
-def error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()

@@ -1,11 +1,14 @@
-"""An HTTP inference server speaking KServe v2 / the Open Inference Protocol as Triton does.
+"""An inference server speaking KServe v2 / the Open Inference Protocol as Triton does, over HTTP and gRPC.
 
-The unmodified ``tritonclient.http`` client works against it. Endpoints:
+The unmodified ``tritonclient.http`` and ``tritonclient.grpc`` clients work against it. HTTP endpoints:
 
 - ``GET  /v2/health/live``, ``/v2/health/ready``, ``/v2`` (server metadata)
 - ``GET  /v2/models/{m}[/versions/{v}]`` (model metadata), ``.../ready``, ``.../config``
 - ``POST /v2/models/{m}[/versions/{v}]/infer``: JSON tensors and the binary tensor data extension
 - ``POST /v2/repository/index``; ``GET /metrics`` (Prometheus)
+
+The gRPC service (:mod:`attnx.runtime.grpc_server`) runs beside it when a gRPC port is given.
+Models that carry a tokenizer (or get one with ``tokenizers=``) take text as a ``BYTES`` input.
 
 Each model has a :class:`~attnx.runtime.batcher.DynamicBatcher` (one worker
 thread), so the event loop only parses, validates and encodes; it never waits
@@ -22,97 +25,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import attnx
+import attnx.runtime.http_codec as codec
 import attnx.runtime.protocol as proto
-from attnx.runtime.batcher import (
-    BatcherClosedError,
-    BatcherConfig,
-    DynamicBatcher,
-    QueueFullError,
-    RequestTimeoutError,
-)
+from attnx.runtime import service
+from attnx.runtime.batcher import BatcherConfig, BatchLayout, DynamicBatcher
 from attnx.runtime.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from attnx.runtime.session import InputError, Session, load
+from attnx.runtime.service import ModelRegistry, ServedModel
+from attnx.runtime.session import Session, load, public_message
+from attnx.runtime.text import TextTokenizer
 
 SERVER_NAME = "attnx"
 #: Protocol extensions we implement (Triton names).
 EXTENSIONS = ["binary_tensor_data", "model_repository(index)", "statistics(prometheus)"]
 #: Parse/encode bodies larger than this in a worker thread, so big JSON does not stall the loop.
 _OFFLOAD_PARSE_BYTES = 256 << 10
+log = logging.getLogger("attnx.serve")
 
-
-class Overloaded(proto.ProtocolError):
-    status = 503
-    reason = "overload"
-
-
-@dataclass
-class ServedModel:
-    """One model behind the server: its session, its batcher, and how it presents itself."""
-
-    name: str
-    session: Session
-    batcher: DynamicBatcher
-    version: str = "1"
-    limits: proto.Limits = field(default_factory=proto.Limits)
-
-    @functools.cached_property
-    def signature(self) -> proto.ModelSignature:
-        profiles = self.session.profiles or {}
-        seq_profile = profiles.get("seq")
-        # Declared profile max for seq bounds requests unless --max-seq says otherwise (engines
-        # cannot run past it; ONNX Runtime could, but the model was never meant to see it).
-        profile_max = seq_profile[-1] if isinstance(seq_profile, list) and seq_profile else None
-        return proto.ModelSignature(
-            self.name,
-            self.session.inputs,
-            self.session.outputs,
-            self.batcher.config.max_batch_size,
-            self.limits.max_seq or (profile_max if isinstance(profile_max, int) and profile_max > 0 else None),
-        )
-
-    def metadata(self) -> dict[str, Any]:
-        """KServe v2 model metadata; dims are -1 where dynamic (batch included, as Triton does)."""
-
-        def tensor(spec):
-            return {
-                "name": spec.name,
-                "datatype": proto.triton_dtype(spec.dtype),
-                "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
-            }
-
-        return {
-            "name": self.name,
-            "versions": [self.version],
-            "platform": self.session.platform,
-            "inputs": [tensor(s) for s in self.session.inputs],
-            "outputs": [tensor(s) for s in self.session.outputs],
-        }
-
-    def config(self) -> dict[str, Any]:
-        """A Triton model configuration (JSON form), as ``GET .../config`` returns."""
-        from attnx.deploy.triton import model_config
-
-        return model_config(
-            self.name,
-            self.session,
-            max_batch_size=self.batcher.config.max_batch_size,
-            max_queue_delay_us=int(self.batcher.config.max_queue_delay_ms * 1000),
-        )
+Overloaded = proto.Overloaded  # kept importable from here
 
 
 @dataclass
@@ -123,47 +67,29 @@ class ServerConfig:
     port: int = 8000
     graceful_timeout_s: float = 30.0
     log_level: str = "warning"
+    grpc_port: int | None = None
 
 
-class ModelRegistry:
-    """The served models by name (and their one version, "1")."""
-
-    def __init__(self) -> None:
-        self.models: dict[str, ServedModel] = {}
-
-    def add(self, model: ServedModel) -> None:
-        if model.name in self.models:
-            raise ValueError(f"two models named {model.name!r} (use name=path to rename one)")
-        self.models[model.name] = model
-
-    def get(self, name: str, version: str | None = None) -> ServedModel:
-        model = self.models.get(name)
-        if model is None:
-            raise proto.NotFound(f"unknown model {name!r}; this server has {sorted(self.models)}")
-        if version not in (None, "", model.version):
-            raise proto.NotFound(f"model {name!r} has no version {version!r} (versions: [{model.version!r}])")
-        return model
-
-    def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        for m in self.models.values():
-            m.batcher.close(drain=drain, timeout=timeout)
-
-
-def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Limits):
-    """The ASGI app (FastAPI) over a set of models."""
+def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Limits,
+               on_shutdown: Callable[[], None] | None = None):
+    """The ASGI app (FastAPI) over a set of models. ``on_shutdown`` runs before the batchers close
+    (the gRPC front end stops there, so its in-flight calls finish too)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         # Runs after uvicorn stopped accepting and in-flight requests finished: drain the
         # batchers off the loop so a slow batch does not block anything else.
-        await asyncio.get_running_loop().run_in_executor(None, registry.close)
+        loop = asyncio.get_running_loop()
+        if on_shutdown is not None:
+            await loop.run_in_executor(None, on_shutdown)
+        await loop.run_in_executor(None, registry.close)
 
     app = FastAPI(title="attnx", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.registry = registry
     app.state.metrics = metrics
 
     def error(status: int, message: str) -> Response:
-        return Response(proto.error_body(message), status_code=status, media_type="application/json")
+        return Response(codec.error_body(message), status_code=status, media_type="application/json")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -176,7 +102,7 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error(500, f"internal error: {type(exc).__name__}: {public_message(str(exc))}")
 
     # --- health and metadata ---------------------------------------------------
     @app.get("/v2/health/live")
@@ -185,7 +111,7 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
 
     @app.get("/v2/health/ready")
     async def ready():
-        ok = all(not m.batcher.closed for m in registry.models.values())
+        ok = registry.ready
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/v2")
@@ -229,16 +155,16 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
         try:
             model = registry.get(name, version)
             body = await _read_body(request, limits.max_body_bytes)
-            body = proto.decompress(body, request.headers.get("content-encoding"), limits.max_body_bytes)
+            body = codec.decompress(body, request.headers.get("content-encoding"), limits.max_body_bytes)
             header_length = request.headers.get("inference-header-content-length")
             sig = model.signature
             if len(body) > _OFFLOAD_PARSE_BYTES:
-                parsed = await asyncio.to_thread(proto.parse_infer_request, body, header_length, sig, limits)
+                parsed = await asyncio.to_thread(codec.parse_infer_request, body, header_length, sig, limits)
             else:
-                parsed = proto.parse_infer_request(body, header_length, sig, limits)
-            outputs = await _run(model, parsed)
+                parsed = codec.parse_infer_request(body, header_length, sig, limits)
+            outputs = await service.infer(model, parsed)
             encode = functools.partial(
-                proto.encode_infer_response, model.name, model.version, parsed, outputs, model.session.output_names
+                codec.encode_infer_response, model.name, model.version, parsed, outputs, model.session.output_names
             )
             # Turning a big output into JSON text takes a while: not on the event loop.
             big = sum(a.nbytes for a in outputs.values()) > _OFFLOAD_PARSE_BYTES
@@ -248,7 +174,7 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
             return error(e.status, e.message)
         except Exception as e:  # noqa: BLE001 - the server never dies on a request
             metrics.failure(label, "internal")
-            return error(500, f"internal error: {type(e).__name__}: {e}")
+            return error(500, f"internal error: {type(e).__name__}: {public_message(str(e))}")
         metrics.success(label, time.perf_counter() - started)
         if json_len is None:
             return Response(payload, media_type="application/json")
@@ -258,6 +184,9 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
             headers={"Inference-Header-Content-Length": str(json_len)},
         )
 
+    from attnx.runtime.explain import add_explain_routes
+
+    add_explain_routes(app, registry)  # /explain: attention pages computed by the served models
     return app
 
 
@@ -277,30 +206,6 @@ async def _read_body(request, limit: int) -> bytes:
             raise proto.TooLarge(f"body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def _run(model: ServedModel, parsed: proto.InferRequest) -> dict[str, np.ndarray]:
-    """Hand the request to the model's batcher and await its own result."""
-    try:
-        future = model.batcher.submit(parsed.feeds, output_names=parsed.outputs, timeout_ms=parsed.timeout_ms)
-    except InputError as e:
-        raise proto.BadRequest(str(e)) from None
-    except QueueFullError as e:
-        raise Overloaded(str(e)) from None
-    except BatcherClosedError as e:
-        err = Overloaded(str(e))
-        err.reason = "shutting_down"
-        raise err from None
-    try:
-        return await asyncio.wrap_future(future)
-    except RequestTimeoutError as e:
-        err = Overloaded(str(e))
-        err.reason = "timeout"
-        raise err from None
-    except BatcherClosedError as e:
-        err = Overloaded(str(e))
-        err.reason = "shutting_down"
-        raise err from None
 
 
 # --------------------------------------------------------------------------------------
@@ -344,7 +249,11 @@ class InferenceServer:
     >>> server.stop()           # graceful: in-flight requests finish first
 
     ``models`` maps names to model files or already-loaded sessions. ``port=0``
-    takes a free port (the socket is bound here, so there is no race).
+    takes a free port (the socket is bound here, so there is no race); ``grpc_port`` (0: any free
+    one) adds the gRPC service. ``tokenizers`` maps model names (or ``None``: every model) to a
+    tokenizer folder, for files that carry none; ``axes`` (an :class:`~attnx.runtime.axes.AxisFlags`)
+    names batch/sequence axes the file does not. ``on_warning`` hears each start-up warning (a model
+    served unbatched), by default the ``attnx.serve`` logger.
     """
 
     def __init__(
@@ -353,30 +262,75 @@ class InferenceServer:
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
+        grpc_port: int | None = None,
         batching: BatcherConfig | None = None,
         limits: proto.Limits | None = None,
         device: str = "auto",
         threads: int | None = None,
         graceful_timeout_s: float = 30.0,
         log_level: str = "warning",
+        tokenizers: Mapping[str | None, str | os.PathLike] | None = None,
+        axes=None,
+        on_warning: Callable[[str], None] | None = None,
     ):
         if not models:
             raise ValueError("no models to serve")
-        self.config = ServerConfig(host, port, graceful_timeout_s, log_level)
+        self.config = ServerConfig(host, port, graceful_timeout_s, log_level, grpc_port)
         self.batching = batching or BatcherConfig()
         self.limits = limits or proto.Limits()
         self.metrics = ServerMetrics()
         self.registry = ModelRegistry()
+        self.warnings: list[str] = []
+        tokenizers = dict(tokenizers or {})
         for name, model in models.items():
-            session = model if isinstance(model, Session) else load(model, device=device, threads=threads)
-            batcher = DynamicBatcher(session, self.batching, observer=self.metrics.observer(name), name=name)
+            session = model if isinstance(model, Session) else load(model, device=device, threads=threads, axes=axes)
+            folder = tokenizers.get(name, tokenizers.get(None))
+            tokenizer = (TextTokenizer.from_folder(folder, self.limits.max_seq) if folder is not None
+                         else TextTokenizer.from_export(session.path, session.info))
+            batcher = DynamicBatcher(session, self.batching, observer=self.metrics.observer(name), name=name,
+                                     pad_id=tokenizer.pad_id if tokenizer is not None else None)
             self.metrics.queue_depth.labels(model=name).set_function(lambda b=batcher: b.queue_depth)
-            self.registry.add(ServedModel(name, session, batcher, limits=self.limits))
-        self.app = create_app(self.registry, self.metrics, self.limits)
+            self.registry.add(ServedModel(name, session, batcher, limits=self.limits, tokenizer=tokenizer))
+            if not batcher.layout.can_batch and self.batching.max_batch_size > 1:
+                self.warnings.append(f"model {name!r}: {batcher.layout.verdict()}")
+        for message in self.warnings:
+            (on_warning or log.warning)(message)
+        self.grpc = None
+        if grpc_port is not None:
+            from attnx.runtime.grpc_server import GrpcFrontEnd
+
+            self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
+                                     extensions=EXTENSIONS)
+        self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._stop_grpc)
         self._socket: socket.socket | None = None
         self._bound_port: int | None = None
         self._uvicorn = None
         self._thread: threading.Thread | None = None
+
+    def _stop_grpc(self) -> None:
+        if self.grpc is not None:
+            self.grpc.stop(self.config.graceful_timeout_s)
+
+    def describe(self) -> str:
+        """What each model takes and gives, and how its requests are batched (``attnx serve --describe``)."""
+        from attnx.runtime.axes import describe_axes
+
+        lines = []
+        for name, m in self.models.items():
+            layout: BatchLayout = m.batcher.layout
+            lines.append(f"model {name}: {m.session.path} ({m.session.provider})")
+            lines += describe_axes(m.session.axis_decisions, m.session.inputs + m.session.outputs)
+            if m.tokenizer is not None:
+                t = m.tokenizer
+                lines.append(f"  text input {proto.TEXT_INPUT!r} (BYTES [-1]): {t.file}, max length {t.max_length}, "
+                             f"truncation {t.truncation_side}, pad id {t.pad_id}")
+            lines.append(f"  -> {layout.verdict()}")
+            unpadded = [s.name for s in m.session.outputs if s.seq_axis is not None]
+            split = [s.name for s in m.session.outputs if s.seq_axis is None and s.batch_axis is not None]
+            if layout.can_batch:
+                lines.append(f"  -> outputs cut back to each request's length: {unpadded or '-'}; "
+                             f"split by row: {split or '-'}")
+        return "\n".join(lines)
 
     @property
     def models(self) -> dict[str, ServedModel]:
@@ -420,11 +374,24 @@ class InferenceServer:
         return f"http://{self.address}"
 
     def bind(self) -> "InferenceServer":
-        """Bind the listening socket now (so ``url`` knows a port 0 choice before serving)."""
+        """Bind the listening sockets now (so ``url`` and ``grpc_address`` know a port 0 choice before
+        serving); the gRPC service starts answering here."""
         if self._socket is None:
             self._socket = self._bind()
             self._bound_port = self._socket.getsockname()[1]
+            if self.grpc is not None:
+                try:
+                    self.grpc.start()
+                except BaseException:
+                    self._socket.close()
+                    self._socket = None
+                    raise
         return self
+
+    @property
+    def grpc_address(self) -> str | None:
+        """``host:port`` of the gRPC service (what ``tritonclient.grpc`` takes), once bound."""
+        return self.grpc.address if self.grpc is not None and self.grpc.port else None
 
     def serve(self) -> None:
         """Run in the foreground until Ctrl-C / SIGTERM (uvicorn handles the signals gracefully)."""
@@ -433,6 +400,7 @@ class InferenceServer:
         try:
             server.run(sockets=[self._socket])
         finally:
+            self._stop_grpc()
             self.registry.close()
             self._socket.close()
 
@@ -460,6 +428,7 @@ class InferenceServer:
         if self._thread is not None:
             self._thread.join(timeout if timeout is not None else self.config.graceful_timeout_s + 10)
             self._thread = None
+        self._stop_grpc()
         self.registry.close()
         if self._socket is not None:
             self._socket.close()

@@ -13,13 +13,16 @@ the names and roles of its attnx metadata (:class:`attnx.contract.ModelInfo`), o
 default roles for any other file.
 
 Feeds may omit ``attention_mask``: it then means "every token is real" (all ones for the
-request's length), the same convention the batcher and the server use.
+request's length), and ``token_type_ids`` (all zeros: one segment), the same convention the batcher
+and the server use. Integer inputs with a declared ``[low, high)`` range (token ids, type ids) are
+checked against it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -30,6 +33,11 @@ from attnx.contract import BATCH, SEQ, ContractError, ModelInfo, Role, TensorEnt
 
 #: A tensor as the file itself declares it: (name, numpy dtype, dims as ints / dim names / None).
 FileSpec = tuple[str, np.dtype, list]
+
+
+#: Outputs a server returns only when a request names them: the per-layer attention patterns
+#: ``attentions.{i}`` of ``attnx export --attention-outputs`` (large, and normal traffic does not want them).
+ON_REQUEST_OUTPUT = re.compile(r"^attentions\.\d+$")
 
 
 class InputError(ValueError):
@@ -44,6 +52,8 @@ class TensorSpec:
     dtype: np.dtype
     shape: tuple[int | str, ...]
     role: str = Role.CONTEXT
+    #: ``[low, high)`` of an integer input that indexes a table (token ids, type ids); None: unchecked.
+    range: tuple[int, int] | None = None
 
     @property
     def rank(self) -> int:
@@ -62,7 +72,10 @@ class TensorSpec:
         return f"{self.name} {np.dtype(self.dtype).name} [{dims}]"
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": np.dtype(self.dtype).name, "shape": list(self.shape), "role": self.role}
+        out = {"name": self.name, "dtype": np.dtype(self.dtype).name, "shape": list(self.shape), "role": self.role}
+        if self.range is not None:
+            out["range"] = list(self.range)
+        return out
 
 
 def merge_specs(file_specs: Iterable[FileSpec], entries: Sequence[TensorEntry] | None, is_input: bool) -> list[TensorSpec]:
@@ -86,7 +99,7 @@ def merge_specs(file_specs: Iterable[FileSpec], entries: Sequence[TensorEntry] |
                     named = mshape[axis]
             shape.append(named)
         role = entry.role if entry is not None else default_role(name, is_input)
-        specs.append(TensorSpec(name, np.dtype(dtype), tuple(shape), role))
+        specs.append(TensorSpec(name, np.dtype(dtype), tuple(shape), role, entry.range if entry is not None else None))
     return specs
 
 
@@ -104,6 +117,8 @@ class Session:
     provider: str = "?"
     #: Triton platform name for model metadata.
     platform: str = "?"
+    #: How each tensor's batch/seq axes were decided (:func:`attnx.runtime.axes.apply_axes`).
+    axis_decisions: list = []
 
     # --- lookups -------------------------------------------------------------
     def input(self, name: str) -> TensorSpec:
@@ -181,10 +196,15 @@ class Session:
                     raise InputError(
                         f"input {spec.name!r}: dim {axis} is {got}, expected {want} ({spec.describe()})"
                     )
+            check_range(spec, arr)
             checked[spec.name] = arr
-        mask = self.mask_input
-        if mask is not None and mask.name not in checked:
-            checked[mask.name] = default_mask(mask, checked, self.inputs)
+        # Omitted, these mean "every position is a token" and "one segment" (as in transformers).
+        for spec in self.inputs:
+            if spec.name not in checked and spec.role in OPTIONAL_ROLES:
+                checked[spec.name] = default_mask(spec, checked, self.inputs, OPTIONAL_ROLES[spec.role])
+        for spec in self.inputs:  # an omitted head mask keeps every head (no ablation)
+            if spec.role == Role.HEAD_MASK and spec.name not in checked and all(isinstance(d, int) for d in spec.shape):
+                checked[spec.name] = np.ones(spec.shape, dtype=spec.dtype)
         missing = [s.name for s in self.inputs if s.name not in checked]
         if missing:
             raise InputError(f"missing input(s) {missing}; the model takes {self.input_names}")
@@ -215,8 +235,13 @@ class Session:
         return f"<{type(self).__name__} {self.path.name} inputs={self.input_names} outputs={self.output_names}>"
 
 
-def default_mask(mask: TensorSpec, feeds: Mapping[str, np.ndarray], specs: list[TensorSpec]) -> np.ndarray:
-    """The all-ones mask for feeds that omit it, sized from another input's batch/seq dims."""
+#: Inputs a request may omit, and the value that then fills them.
+OPTIONAL_ROLES = {Role.ATTENTION_MASK: 1, Role.TOKEN_TYPE_IDS: 0}
+
+
+def default_mask(mask: TensorSpec, feeds: Mapping[str, np.ndarray], specs: list[TensorSpec], fill: int = 1
+                 ) -> np.ndarray:
+    """The all-``fill`` tensor (an all-ones mask) for feeds that omit it, sized from another input's batch/seq dims."""
     batch = seq = None
     for spec in specs:
         arr = feeds.get(spec.name)
@@ -236,7 +261,54 @@ def default_mask(mask: TensorSpec, feeds: Mapping[str, np.ndarray], specs: list[
             dims.append(d)
         else:
             raise InputError(f"cannot infer the shape of the omitted {mask.name!r}; pass it explicitly")
-    return np.ones(dims, dtype=mask.dtype)
+    return np.full(dims, fill, dtype=mask.dtype)
+
+
+#: Roles whose values index a table: never negative, even where no upper bound is known.
+ID_ROLES = (Role.INPUT_IDS, Role.TOKEN_TYPE_IDS)
+
+
+def check_range(spec: TensorSpec, arr: np.ndarray) -> None:
+    """Refuse integer ids outside the input's ``[low, high)`` (a Gather would fail, or silently wrap a
+    negative id, for the whole batch); token and type ids are never negative."""
+    if arr.dtype.kind not in "iu" or arr.size == 0:
+        return
+    low, high = spec.range if spec.range is not None else ((0, None) if spec.role in ID_ROLES else (None, None))
+    if low is None and high is None:
+        return
+    lo, hi = int(arr.min()), int(arr.max())
+    bad = lo if low is not None and lo < low else hi if high is not None and hi >= high else None
+    if bad is not None:
+        where = tuple(int(i) for i in np.argwhere(arr == bad)[0])
+        bounds = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise InputError(f"input {spec.name!r}: value {bad} at {list(where)} is outside the model's range {bounds}")
+
+
+#: Exception types (by name) that ONNX Runtime raises when a node cannot run the inputs it was given.
+_RUNTIME_INPUT_ERRORS = {"InvalidArgument", "Fail", "RuntimeException", "NotImplemented", "InvalidGraph"}
+
+
+def model_input_error(exc: BaseException) -> InputError | None:
+    """An :class:`InputError` for a runtime's refusal of one request's inputs (an index out of a table's
+    bounds, a shape a node cannot take), with internal node names left out; None for anything else.
+
+    The batcher only calls this for a request that failed when run alone, so its inputs are the cause."""
+    module = type(exc).__module__ or ""
+    if not (module.startswith("onnxruntime") and type(exc).__name__ in _RUNTIME_INPUT_ERRORS):
+        return None
+    return InputError(f"the model could not run this request: {public_message(str(exc))}")
+
+
+def public_message(text: str) -> str:
+    """A runtime's error text without graph internals: ONNX Runtime's ``Status Message`` part when it has
+    one, node names and ``[ONNXRuntimeError] : N : CODE :`` prefixes removed, one line."""
+    found = re.search(r"Status Message:\s*(.*)", text, re.S)
+    text = found.group(1) if found else text
+    text = re.sub(r"\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*[A-Z_]+\s*:\s*", "", text)
+    text = re.sub(r"\s*Name:\s*'[^']*'", "", text)
+    text = re.sub(r"\b(node|Node)\s+'[^']*'", "a node", text)
+    line = " ".join(text.split())
+    return (line[:300] + "...") if len(line) > 300 else line
 
 
 def _check_shared_dims(specs: list[TensorSpec], feeds: Mapping[str, np.ndarray]) -> None:
@@ -255,22 +327,28 @@ def _check_shared_dims(specs: list[TensorSpec], feeds: Mapping[str, np.ndarray])
             seen.setdefault(d, (size, spec.name))
 
 
-def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None = None, **opts: Any) -> Session:
+def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None = None, axes=None,
+         **opts: Any) -> Session:
     """Load a model file once; returns a thread-safe :class:`Session`.
 
     ``.onnx`` -> ONNX Runtime (``device``: ``auto`` | ``cpu`` | ``cuda``; ``threads``:
     intra-op threads; ``spin``, ``optimization`` as in :class:`~attnx.runtime.backends.onnxrt.OrtOptions`).
     ``.engine`` / ``.plan`` -> TensorRT (``onnx_path``: the source ONNX, when the engine's sidecar
-    does not list its I/O).
+    does not list its I/O). The batch and sequence axes of every tensor are then resolved
+    (:func:`attnx.runtime.axes.apply_axes`; ``axes``: an :class:`~attnx.runtime.axes.AxisFlags`).
     """
+    from attnx.runtime.axes import apply_axes
+
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix == ".onnx":
         from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions
 
-        return OnnxRuntimeSession(p, OrtOptions(device=device, threads=threads, **opts))
-    if suffix in (".engine", ".plan"):
+        session: Session = OnnxRuntimeSession(p, OrtOptions(device=device, threads=threads, **opts))
+    elif suffix in (".engine", ".plan"):
         from attnx.runtime.backends.tensorrt import EngineSession
 
-        return EngineSession(p, onnx_path=opts.get("onnx_path"))
-    raise ValueError(f"{p}: unknown model type {suffix!r} (expected .onnx or .engine)")
+        session = EngineSession(p, onnx_path=opts.get("onnx_path"))
+    else:
+        raise ValueError(f"{p}: unknown model type {suffix!r} (expected .onnx or .engine)")
+    return apply_axes(session, axes)

@@ -164,16 +164,39 @@ def test_request_that_waits_past_its_timeout_fails_and_others_are_unaffected(maw
         assert_outputs_equal(batcher.infer(b), maw_session.run(b))  # the batcher still works
 
 
-def test_model_failure_reaches_every_caller_of_the_batch_and_the_worker_survives(maw_session):
+def test_a_failed_batch_is_retried_alone_so_a_transient_failure_loses_nothing(maw_session):
     gated = GatedSession(maw_session)
     gated.fail_next = RuntimeError("device lost")
     requests = [request(maw_session, rows=1, length=5 + i, seed=i) for i in range(3)]
     with DynamicBatcher(gated, BatcherConfig(max_queue_delay_ms=200, **PAD_ANYTHING)) as batcher:
         futures = [batcher.submit(r) for r in requests]
         gated.gate.set()
+        for f, r in zip(futures, requests):
+            assert_outputs_equal(f.result(timeout=30), maw_session.run(r))
+        assert gated.runs == 1 + len(requests) and batcher.stats.failed == 0
+
+
+def test_a_persistent_model_failure_reaches_every_caller_and_the_worker_survives(maw_session):
+    gated = GatedSession(maw_session)
+    requests = [request(maw_session, rows=1, length=5 + i, seed=i) for i in range(3)]
+    broken = [True]
+    original = gated._run
+
+    def run(feeds, names):
+        if broken[0]:
+            gated.runs += 1
+            raise RuntimeError("device lost")
+        return original(feeds, names)
+
+    gated._run = run
+    gated.gate.set()
+    with DynamicBatcher(gated, BatcherConfig(max_queue_delay_ms=200, **PAD_ANYTHING)) as batcher:
+        futures = [batcher.submit(r) for r in requests]
         for f in futures:
             with pytest.raises(RuntimeError, match="device lost"):
                 f.result(timeout=30)
+        assert batcher.stats.failed == 3
+        broken[0] = False
         assert_outputs_equal(batcher.infer(requests[0]), maw_session.run(requests[0]))
 
 

@@ -358,11 +358,14 @@ def test_kserve_manifest_for_the_text_repository(minilm_export, tmp_path):
 
     manifest = yaml.safe_load(written.manifest.read_text())
     assert written.manifest_checked
-    service = check_manifest(manifest)  # kserve's own V1beta1InferenceService
-    model = service.spec.predictor.model
-    assert service.metadata.name == "minilm" and model.model_format.name == "triton"
-    assert model.storage_uri == "s3://models/minilm" and model.protocol_version == "v2"
-    assert model.image == "registry/attnx-triton:1" and model.resources.limits["nvidia.com/gpu"] == "1"
+    service = check_manifest(manifest)  # through kserve's own V1beta1InferenceService and back
+    model = service["spec"]["predictor"]["model"]
+    assert service["metadata"]["name"] == "minilm" and model["modelFormat"]["name"] == "triton"
+    assert model["storageUri"] == "s3://models/minilm" and model["protocolVersion"] == "v2"
+    assert model["image"] == "registry/attnx-triton:1" and model["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    bad = {**manifest, "spec": {"predictor": {"model": {**manifest["spec"]["predictor"]["model"], "storageUrl": "x"}}}}
+    with pytest.raises(ValueError, match="has no field 'storageUrl'"):
+        check_manifest(bad)
     assert "kserve.yaml" in (written.root / "README.md").read_text()
 
 
