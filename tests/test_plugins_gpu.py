@@ -259,6 +259,7 @@ TTA_SHAPES = [  # B, H, Lq, Lk, Dh, Ht, Bt
     (1, 2, 129, 1000, 96, 1, 1),
     (8, 4, 256, 2050, 16, 4, 1),   # fp16 fast path: several k tiles per block, partial last chunk, scalar stores
     (8, 2, 300, 2048, 64, 1, 8),   # ... and 16-byte stores
+    (2, 3, 130, 77, 24, 3, 2),     # fp16 one-trip prep with Dh < 64: zero-padded x and T, row tails
 ]
 
 
@@ -329,6 +330,25 @@ def test_tta_rejects_a_short_workspace(lib):
     status = lib.tta_distance(kernels.DTYPE_FP32, q.data_ptr(), q.data_ptr(), q.data_ptr(), out.data_ptr(),
                               1, 1, 1, 1, 8, 8, 8, ws.data_ptr(), size - 1, None)
     assert status == 1  # cudaErrorInvalidValue, nothing launched
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", ["k", "trace", "q"])
+def test_tta_fp16_unaligned_inputs_take_the_general_kernels(lib, offset):
+    """fp16 inputs 2 bytes off a 16-byte boundary (slices of larger buffers): k or trace moves the
+    prep to the general kernel (the distance pass stays on the fast path), q both launches."""
+    B, H, Lq, Lk, D = 2, 2, 70, 136, 32
+    shapes = {"q": (B, H, Lq, D), "k": (B, H, Lk, D), "trace": (1, H, D, D)}
+    t = {}
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        buf = _rand((n + 1,), torch.float16, scale=1.0 / math.sqrt(D) if name == "trace" else 1.0)
+        t[name] = (buf[1:] if name == offset else buf[:n]).view(shape)
+    assert t[offset].data_ptr() % 16 != 0
+    dist = kernels.tta_distance(t["q"], t["k"], t["trace"], out=_poisoned((B, H, Lq, Lk), torch.float16), library=lib)
+    torch.cuda.synchronize()
+    assert _rel_err(dist, tta_reference(t["q"], t["k"], t["trace"])) <= TTA_TOL["float16"]
 
 
 # ---------------------------------------------------------------------------------------- layouts

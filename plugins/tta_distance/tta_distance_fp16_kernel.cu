@@ -96,25 +96,33 @@ __global__ void __launch_bounds__(kThreads, 2) ttaDistanceFp16Kernel(__half cons
     int const t = pos.t;
     int const kSteps = static_cast<int>((Dh + 15) / 16);
 
-    __half const* hi = kSHi + bh * N * Dh;
-    __half const* lo = kSLo + bh * N * Dh;
-    BRegs next;
-    loadB(next, hi, lo, nFirst, N, Dh); // the first tile's B, in flight while A is staged
-
-    // A: 128 rows x 64 halves (zero beyond M and Dh), then to fragments.
+    // A: 128 rows x 64 halves (zero beyond M and Dh), then to fragments. q does not come from the
+    // prep: its loads go out before the wait for the prep grid (overlapping the prep's tail on
+    // sm_90), the first B tile's right after, in flight while A is staged.
     __half const* aRows = q + (bh * M + m0) * Dh;
+    uint4 av[(kRows * 8) / kThreads];
 #pragma unroll
     for (int l = 0; l < (kRows * 8) / kThreads; ++l)
     {
         int const idx = threadIdx.x + l * kThreads;
         int const row = idx / 8;
         int const c = (idx % 8) * 8;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        av[l] = make_uint4(0u, 0u, 0u, 0u);
         if (m0 + row < M && c < Dh)
         {
-            v = *reinterpret_cast<uint4 const*>(aRows + row * Dh + c);
+            av[l] = *reinterpret_cast<uint4 const*>(aRows + row * Dh + c);
         }
-        *reinterpret_cast<uint4*>(&s.a[row][c]) = v;
+    }
+    tta::waitForPrerequisiteGrid(); // kS, qq and kk are complete and visible from here
+    __half const* hi = kSHi + bh * N * Dh;
+    __half const* lo = kSLo + bh * N * Dh;
+    BRegs next;
+    loadB(next, hi, lo, nFirst, N, Dh);
+#pragma unroll
+    for (int l = 0; l < (kRows * 8) / kThreads; ++l)
+    {
+        int const idx = threadIdx.x + l * kThreads;
+        *reinterpret_cast<uint4*>(&s.a[idx / 8][(idx % 8) * 8]) = av[l];
     }
     __syncthreads();
     uint32_t aF[4][2][4];
@@ -236,6 +244,19 @@ __global__ void __launch_bounds__(kThreads, 2) ttaDistanceFp16Kernel(__half cons
     }
 }
 
+// May this kernel be launched as a programmatic dependent? Only if the code that will run was
+// compiled for sm_90+ (so it waits for the prep grid); a PTX JIT of an older target would not.
+bool dependentLaunchOk(void const* kernel)
+{
+    cudaFuncAttributes attr{};
+    if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess)
+    {
+        (void) cudaGetLastError();
+        return false;
+    }
+    return attr.ptxVersion >= 90 && attr.binaryVersion >= 90;
+}
+
 int multiprocessors()
 {
     int device = 0;
@@ -261,11 +282,27 @@ int launchTtaDistanceFp16(__half const* q, __half const* kSHi, __half const* kSL
 {
     int64_t const tilesM = ceilDiv(M, kRows);
     int64_t const tilesN = ceilDiv(N, kCols);
-    // Enough blocks to fill the GPU (~4 per multiprocessor), the rest of the work as more tiles per block.
-    int64_t const target = 4LL * multiprocessors();
-    int64_t per = BH * tilesM * tilesN / target;
-    per = per < 1 ? 1 : (per > 8 ? 8 : per);
-    int const tilesPerBlock = static_cast<int>(per);
+    // Tiles per block: 1, 2, 4 or 8, the fewest cost units by a simple model: each wave of blocks
+    // (2 resident per multiprocessor) costs its blocks' time, one unit to start (load A, the first
+    // B) plus one per tile. More tiles per block amortise the start but may leave SMs idle
+    // (L = 512, B*H = 24: 4 tiles; L >= 2048: 8).
+    int64_t const slots = 2LL * multiprocessors();
+    int tilesPerBlock = 1;
+    int64_t best = -1;
+    for (int per = 1; per <= 8; per *= 2)
+    {
+        int64_t const n = BH * tilesM * ceilDiv(tilesN, per);
+        int64_t const cost = ceilDiv(n, slots) * (1 + per);
+        if (best < 0 || cost < best)
+        {
+            best = cost;
+            tilesPerBlock = per;
+        }
+        if (per >= tilesN)
+        {
+            break;
+        }
+    }
     int64_t const chunks = ceilDiv(tilesN, tilesPerBlock);
     int64_t const blocks = BH * tilesM * chunks;
     if (blocks > kMaxGridX || blocks / (tilesM * chunks) != BH)
@@ -274,9 +311,19 @@ int launchTtaDistanceFp16(__half const* q, __half const* kSHi, __half const* kSL
     }
     bool const vecStore = N % 8 == 0 && reinterpret_cast<uintptr_t>(dist) % 16 == 0;
     auto kernel = vecStore ? ttaDistanceFp16Kernel<true> : ttaDistanceFp16Kernel<false>;
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        q, kSHi, kSLo, qq, kk, dist, M, N, Dh, tilesM, chunks, tilesPerBlock);
-    return launchStatus();
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(blocks));
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = dependentLaunchOk(reinterpret_cast<void const*>(kernel)) ? 1 : 0;
+    cudaError_t const status
+        = cudaLaunchKernelEx(&config, kernel, q, kSHi, kSLo, qq, kk, dist, M, N, Dh, tilesM, chunks, tilesPerBlock);
+    return status != cudaSuccess ? static_cast<int>(status) : launchStatus();
 }
 
 } // namespace kernels

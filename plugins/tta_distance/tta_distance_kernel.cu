@@ -7,14 +7,16 @@
 // Two launches on one stream, no host synchronisation:
 //   1. ttaPrepKernel (tta_prep_kernel.cu): for 128 rows of q or k of one (b, h): xS = x S on the
 //      tensor cores (3xTF32), the row terms qq / kk, and for k the operand kS (fp32, or for fp16
-//      inputs two fp16 arrays hi + lo with kS = hi + lo to ~2^-22).
+//      inputs two fp16 arrays hi + lo with kS = hi + lo to ~2^-22). fp16 with Dh <= 64, Dh % 8 == 0:
+//      ttaPrepFp16Kernel (tta_prep_fp16_kernel.cu), one trip to memory, fp16 tensor cores.
 //   2. The distance pass dist = qq + kk - Q kS^T, a GEMM on the tensor cores (mma.sync, fp32
 //      accumulation): fp16 inputs multiply q by hi and by lo (q is exact in fp16); fp32 inputs use
 //      3xTF32 (a = a_big + a_small in TF32; a_s b_b + a_b b_s + a_b b_b), accurate to about fp32.
 //      ttaDistanceKernel here: one 128x64 tile per block, the tile staged in shared memory and
 //      written as whole rows (16-byte stores when Lk is a multiple of 16 bytes' worth). fp16 with
 //      Dh <= 64, Dh % 8 == 0: ttaDistanceFp16Kernel (tta_distance_fp16_kernel.cu), which keeps A
-//      in registers over several k tiles and prefetches the next B tile.
+//      in registers over several k tiles and prefetches the next B tile, and on sm_90 overlaps
+//      the prep's tail (programmatic dependent launch).
 // The output is the dominant traffic (Dh is small), so the target is the store bandwidth.
 #include "common/kernel_common.cuh"
 #include "tta_distance/tta_distance_internal.h"
@@ -240,8 +242,21 @@ int launchTta(void const* qv, void const* kv, void const* tracev, void* distv, i
     {
         return static_cast<int>(cudaErrorInvalidValue);
     }
-    int const status = launchTtaPrep<T>(q, k, trace, isFloat ? kS32 : nullptr, isFloat ? nullptr : kSHi,
-        isFloat ? nullptr : kSLo, w.qq, w.kk, B, H, Bt, Ht, Lq, Lk, Dh, stream);
+    int status = 0;
+    bool fastPrep = false;
+    if constexpr (!isFloat)
+    {
+        fastPrep = ttaFp16FastPrepApplies(q, k, trace, Dh);
+        if (fastPrep)
+        {
+            status = launchTtaPrepFp16(q, k, trace, kSHi, kSLo, w.qq, w.kk, B, H, Bt, Ht, Lq, Lk, Dh, stream);
+        }
+    }
+    if (!fastPrep)
+    {
+        status = launchTtaPrep<T>(q, k, trace, isFloat ? kS32 : nullptr, isFloat ? nullptr : kSHi,
+            isFloat ? nullptr : kSLo, w.qq, w.kk, B, H, Bt, Ht, Lq, Lk, Dh, stream);
+    }
     if (status != 0)
     {
         return status;

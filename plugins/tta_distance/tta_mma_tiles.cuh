@@ -244,6 +244,25 @@ __device__ __forceinline__ void stageAcc(float (*stage)[kStride], float const (&
     }
 }
 
+// Programmatic dependent launch (sm_90+): the prep kernel lets the distance pass start once every
+// prep block is past its main work; the distance pass stages its q tile (written before the prep
+// began), then waits for the whole prep grid (its writes visible) before reading kS, qq and kk.
+// Compiled for older targets both are no-ops; the host only asks for the overlap when the kernel
+// it launches was compiled for sm_90+ (so the wait is there).
+__device__ __forceinline__ void letDependentsLaunch()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void waitForPrerequisiteGrid()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 } // namespace tta
 } // namespace kernels
 } // namespace attnx
