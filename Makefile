@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: venv test demo plugins bench clean help
 
 help:
-	@echo "make demo     - export -> plugins -> build-engine --fp16 -> check, every variant"
+	@echo "make demo     - real all-MiniLM-L6-v2 (mha + smal): export -> check -> fp16 engine -> serve -> search"
 	@echo "make test     - the test suite (creates .venv, builds the plugins)"
 	@echo "make plugins  - compile the TensorRT plugin library (nvcc + CMake)"
 	@echo "make bench    - the benchmarks under benchmarks/"
@@ -35,8 +35,10 @@ test: $(STAMP)
 	$(ATTNX) plugins build
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# DEMO_ARGS: e.g. --variants cultural, --query "...", or --toy for every variant's small random encoder.
+DEMO_ARGS ?=
 demo: $(STAMP)
-	$(ATTNX) demo --workdir $(WORK)
+	HF_HUB_OFFLINE=1 $(ATTNX) demo --workdir $(WORK) $(DEMO_ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done

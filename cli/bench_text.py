@@ -57,6 +57,9 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
                                                            for o in meta["outputs"]) else None)
         configs.append((f"{model} @ {url}", b.HttpTarget(url, model, text=True, outputs=names).factory))
         batchers = []
+        from attnx.cli.serve_cmd import _specs_from_metadata
+
+        specs = _specs_from_metadata(meta)
     else:
         from attnx.runtime import DynamicBatcher, load
 
@@ -68,6 +71,7 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
         if tok is None:
             raise UserError(f"{path.name} carries no tokenizer: pass --tokenizer DIR")
         names = outputs or (["sentence_embedding"] if "sentence_embedding" in session.output_names else None)
+        specs = session.inputs
         variants = [(f"max batch {batching.max_batch_size}", batching)]
         if compare_batch_1:
             from dataclasses import replace
@@ -76,7 +80,11 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
         batchers = [DynamicBatcher(session, cfg, name=label, pad_id=tok.pad_id) for label, cfg in variants]
         for (label, _), batcher in zip(variants, batchers):
             configs.append((f"{path.name} in-process, {label}", b.TextInProcessTarget(batcher, tok, names).factory))
-    pool = b.text_pool(tok, count, min_tokens=min_tokens, max_tokens=max_tokens)
+    try:
+        context = b.text_context_specs(specs)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    pool = b.text_pool(tok, count, min_tokens=min_tokens, max_tokens=max_tokens, context=context)
     rss_before = b.rss_bytes(url)
     try:
         reference = b.single_answers(configs[0][1], pool)  # each text alone: the answers load must reproduce

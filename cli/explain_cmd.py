@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
     @guarded
     def explain_cmd(
         model: str = typer.Argument(..., help="An export with attention outputs (.onnx), a Hugging Face folder, "
-                                    "or a server URL (http://host:port[/model])."),
+                                    "or a server URL (http://host:port\\[/model])."),
         texts: Optional[List[str]] = typer.Argument(None, help="Text(s) to explain (default: the built-in "
                                                    "sentences with --sentences)."),
         output: Optional[Path] = typer.Option(None, "-o", "--output", help="The HTML page (default: "

@@ -116,6 +116,14 @@ def register(app: typer.Typer) -> None:
 
         files = _model_files(models)
         batching = _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens)
+        # Limits that would refuse every request are refused now, not once per request.
+        if not max_body_mb * (1 << 20) >= 1:
+            raise UserError(f"--max-body-mb must be positive, got {max_body_mb}")
+        if max_seq is not None and max_seq < 1:
+            raise UserError(f"--max-seq must be >= 1, got {max_seq}")
+        for flag, value in (("--port", port), ("--grpc-port", grpc_port)):
+            if value is not None and not 0 <= value <= 65535:
+                raise UserError(f"{flag} must be 0..65535, got {value}")
         limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq)
         try:
             axes = AxisFlags.parse(batch_axis, seq_axis)
@@ -256,6 +264,8 @@ def _specs_from_metadata(meta: dict):
 
     specs = []
     for t in meta.get("inputs", []):
+        if t["datatype"] == "BYTES":  # a text model's text input: its token-id inputs are used instead
+            continue
         dims: list = []
         for axis, d in enumerate(t["shape"]):
             if d != -1:

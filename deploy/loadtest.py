@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
+from attnx.runtime.protocol import TEXT_INPUT
 from attnx.runtime.session import TensorSpec
 
 
@@ -46,6 +47,8 @@ def synthetic_feeds(
         if spec.role == Role.ATTENTION_MASK:
             arr = np.zeros(shape, dtype=dtype)
             arr[..., : (length or seq)] = 1
+        elif spec.role == Role.HEAD_MASK:
+            arr = np.ones(shape, dtype=dtype)  # no head ablated
         elif dtype.kind == "f":
             scale = 1.0 if spec.role == Role.HIDDEN_STATES else (0.05 if "trace" in spec.name else 0.5)
             arr = (rng.standard_normal(shape) * scale).astype(dtype)
@@ -266,9 +269,10 @@ class HttpTarget:
             def __call__(self, feeds):
                 inputs = []
                 for name, arr in feeds.items():
-                    if text:
+                    is_text = text and name == TEXT_INPUT  # the rest: the variant's context rows
+                    if is_text:
                         arr = np.array([str(arr).encode()], dtype=object)
-                    i = httpclient.InferInput(name, list(arr.shape), "BYTES" if text else np_to_triton_dtype(arr.dtype))
+                    i = httpclient.InferInput(name, list(arr.shape), "BYTES" if is_text else np_to_triton_dtype(arr.dtype))
                     i.set_data_from_numpy(arr, binary_data=True)
                     inputs.append(i)
                 result = client.infer(model, inputs, outputs=requested)
@@ -293,17 +297,31 @@ class TextInProcessTarget:
         inputs = self.batcher.session.inputs
 
         def call(feeds):
-            encoded = self.tokenizer.tokenize([feeds["text"]])[0]
-            return self.batcher.infer(text_feeds(inputs, encoded), output_names=self.outputs)
+            encoded = self.tokenizer.tokenize([feeds[TEXT_INPUT]])[0]
+            context = {k: v for k, v in feeds.items() if k != TEXT_INPUT}
+            return self.batcher.infer(text_feeds(inputs, encoded, context), output_names=self.outputs)
 
         return call
 
 
-def text_pool(tokenizer, count: int = 64, *, min_tokens: int = 3, max_tokens: int = 300, seed: int = 0
-              ) -> list[tuple[dict, int, int]]:
+def text_context_specs(inputs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """The inputs a text request must still send itself: a variant's per-example context (the token
+    inputs come from the text; a head mask is optional). Per-token context cannot go with text."""
+    token_roles = (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS, Role.HEAD_MASK)
+    specs = [s for s in inputs if s.role not in token_roles and s.name != TEXT_INPUT and s.dtype != np.dtype(object)]
+    per_token = [s.name for s in specs if SEQ in s.shape]
+    if per_token:
+        raise ValueError(f"input(s) {', '.join(per_token)} have one value per token, which text requests cannot "
+                         "line up with their tokens: bench this model with token ids (without --text)")
+    return specs
+
+
+def text_pool(tokenizer, count: int = 64, *, min_tokens: int = 3, max_tokens: int = 300, seed: int = 0,
+              context: Sequence[TensorSpec] = ()) -> list[tuple[dict, int, int]]:
     """``count`` texts of real vocabulary words, their token counts (special tokens included, before any
-    truncation) spread uniformly over ``[min_tokens, max_tokens]``: ``({"text": str}, 1, tokens)`` items
-    for :func:`run_load` (tokens counted as the model runs them, truncated)."""
+    truncation) spread uniformly over ``[min_tokens, max_tokens]``: ``({"text": str, **context}, 1, tokens)``
+    items for :func:`run_load` (tokens counted as the model runs them, truncated). ``context``: the
+    per-example inputs each request also sends (:func:`text_context_specs`), random but valid."""
     vocab = tokenizer._full.get_vocab()
     words = sorted(w.lstrip("\u0120") for w in vocab if w.lstrip("\u0120").isalpha() and len(w.lstrip("\u0120")) > 2)
     if not words:
@@ -319,7 +337,8 @@ def text_pool(tokenizer, count: int = 64, *, min_tokens: int = 3, max_tokens: in
                 break
             # Grow by about the missing tokens' worth of words at once (one word is about one token).
             text += " " + " ".join(words[int(i)] for i in rng.integers(len(words), size=max(1, (target - n) // 2)))
-        pool.append(({"text": text}, 1, min(n, tokenizer.max_length or n)))
+        rows = synthetic_feeds(context, 1, 1, rng) if context else {}
+        pool.append(({TEXT_INPUT: text, **rows}, 1, min(n, tokenizer.max_length or n)))
     return pool
 
 

@@ -117,7 +117,8 @@ def test_check_fails_on_perturbed_weights(exported, tmp_path):
 
 
 def test_demo_one_variant(rtx, tmp_path):
-    proc = attnx("demo", "--workdir", tmp_path / "demo", "--variants", "maw", "--set", "d_model=32", cwd=tmp_path)
+    proc = attnx("demo", "--toy", "--workdir", tmp_path / "demo", "--variants", "maw", "--set", "d_model=32",
+                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "attnx demo" in out and "maw" in out and "2 of 2" in out and "pass" in out
