@@ -97,6 +97,9 @@ def build_engine_cmd(model: Optional[Path], output: Optional[Path], fp16: bool, 
         shape_overrides = eng.parse_shapes(shapes)
         eng.parse_size(workspace)
         model = model or latest_export()
+        if output is not None and output.resolve() == Path(model).resolve():  # never destroy the source
+            raise UserError(f"-o {output} is the model itself: the engine would overwrite it; choose another "
+                            f"path (e.g. {Path(model).with_suffix('.engine')})", code=2)
         with _Steps(f"build-engine {model.name}", BUILD_STEPS, BUILD_LABELS, quiet=quiet) as steps:
             result = eng.build(model, output, fp16=fp16, target=target, shapes=shape_overrides,
                                timing_cache=timing_cache, workspace=workspace, plugins=plugins,
@@ -171,52 +174,109 @@ def render_report(report, report_path: Path | None = None) -> None:
 def _figure(value: float, metric: str) -> str:
     if value != value:  # NaN
         return "nan"
-    return f"{value:.6f}" if metric == "cosine" else f"{value:.2g}"
+    return f"{value:.6f}" if metric == "cosine" else f"{value:.0%}" if metric == "top1" else f"{value:.2g}"
+
+
+def _headline_pairs(report) -> list[tuple[str, str, str, str]]:
+    """``(runner, reference, token-level output, sentence-level output)`` for each runtime in the
+    per-sentence table: compared with the original where it is, else with attnx's reference."""
+    from attnx.parity.text_report import SENTENCE_OUTPUT
+
+    reference = "original" if report.original.get("used") else "torch"
+    pairs: dict[str, list[str]] = {}
+    for c in report.comparisons:
+        if c.reference == reference and c.runner not in ("torch", "original") and c.gate.metric != "exact":
+            pairs.setdefault(c.runner, []).append(c.output)
+    out = []
+    for runner, outputs in pairs.items():
+        token = next((o for o in outputs if o != SENTENCE_OUTPUT), outputs[0])
+        out.append((runner, reference, token, SENTENCE_OUTPUT if SENTENCE_OUTPUT in outputs else token))
+    return out
 
 
 def render_text_report(report, report_path: Path | None = None) -> None:
-    """A pretrained export's report: one row per comparison, then the gated figure of every
-    comparison for every sentence."""
+    """A pretrained export's report: one row per comparison (worst figures over the texts), then one
+    row per sentence (tokens, max abs difference, cosine of each runtime against the original, and
+    whether every comparison holds on it), the notes, and one verdict line."""
     from rich.markup import escape
     from rich.table import Table
 
+    from attnx.parity.text_report import FLOOR_FACTOR, SCORE_OUTPUTS
+
     placement = report.placement
-    where = f"appended x{placement.get('append')}" if placement.get("append") else \
-        f"layers {placement.get('layers') if placement.get('layers') is not None else 'all'}"
-    table = Table(title=f"parity of {escape(report.model.name)} ({report.host} with {report.variant}, {where}; "
-                        f"{report.precision}) on {len(report.texts)} real texts", header_style="bold")
-    for col in ("runner", "reference", "output", "max abs", "min cosine", "must hold", "result"):
+    if placement.get("append"):
+        where = f"{report.variant} appended x{placement['append']}"
+    elif report.variant == "mha" or not placement.get("layers"):
+        where = "its own attention" if report.variant == "mha" else report.variant
+    else:
+        where = f"{report.variant} in layers {','.join(map(str, placement['layers']))}"
+    console.print(f"[bold]parity of {escape(report.model.name)}[/bold]: {report.host} with {escape(where)}, "
+                  f"{report.precision}, on {len(report.texts)} real texts in {len(report.batches)} padded batches",
+                  highlight=False)
+    table = Table(header_style="bold", box=None, pad_edge=False)
+    for col in ("runner vs reference", "output", "max abs", "min cosine", "must hold", "result"):
         table.add_column(col, justify="right" if col in ("max abs", "min cosine") else "left", no_wrap=True)
     for c in report.comparisons:
         result = ("[green]pass[/green]" if c.gated else "[dim]reported[/dim]") if c.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(c.runner, c.reference, c.output, _figure(c.worst("max_abs"), "max_abs"),
-                      _figure(c.worst("cosine"), "cosine"), c.gate.describe(), result)
+        bound = c.gate.describe() + (" x max|ref|" if c.output in SCORE_OUTPUTS and c.gate.metric == "max_abs" else "")
+        floored = [r for r in c.rows if r.get("fp32_floor") is not None and r["bound"] > c.gate.bound]
+        if floored and c.output not in SCORE_OUTPUTS:  # the model amplifies fp32 rounding (text_report doc)
+            bound += f", or {FLOOR_FACTOR:g}x fp32 floor on {len(floored)} (up to {max(r['bound'] for r in floored):.2g})"
+        table.add_row(c.pair, c.output, _figure(c.worst("max_abs"), "max_abs"), _figure(c.worst("cosine"), "cosine"),
+                      bound, result)
     console.print(table)
-    gated = [c for c in report.comparisons if c.gated]
-    per = Table(title="per sentence (the figure each comparison is held to; * = failed)", header_style="bold")
+
+    by_key = {(c.runner, c.reference, c.output): c for c in report.comparisons}
+    heads = _headline_pairs(report)
+    per = Table(title="per sentence" + (f" (against the {heads[0][1]} model)" if heads else "")
+                + "; * = outside its bound", header_style="bold", title_justify="left")
     per.add_column("#", justify="right")
     per.add_column("tokens", justify="right")
-    per.add_column("text", no_wrap=True, max_width=36)
-    for c in gated:
-        per.add_column(f"{c.runner} vs {c.reference}\n{c.output} {'cos' if c.gate.metric == 'cosine' else 'abs'}",
-                       justify="right")
+    per.add_column("text", no_wrap=True, max_width=32)
+    cells_of = []
+    for runner, reference, token, sentence in heads:
+        tag = "" if len(heads) == 1 else f"{runner} "
+        per.add_column(f"{tag}max abs\n{token}", justify="right")
+        cells_of.append((by_key.get((runner, reference, token)), "max_abs"))
+        per.add_column(f"{tag}cosine\n{sentence}", justify="right")
+        cells_of.append((by_key.get((runner, reference, sentence)), "cosine"))
+        if token == "logits":
+            per.add_column(f"{tag}top-1\nagrees", justify="right")
+            cells_of.append((by_key.get((runner, reference, token)), "top1"))
+    per.add_column("result")
     for item in report.texts:
+        i = item["index"]
         cells = []
-        for c in gated:
-            row = next((r for r in c.rows if r["text"] == item["index"]), None)
-            key = "cosine" if c.gate.metric == "cosine" else "max_abs"
-            cells.append("-" if row is None else _figure(row[key], key) + ("" if row["passed"] else "*"))
-        tokens = f"{item['tokens']}{' (cut)' if item['truncated'] else ''}"
-        per.add_row(str(item["index"]), tokens, escape(item["text"]), *cells)
+        for comp, key in cells_of:
+            row = next((r for r in comp.rows if r["text"] == i), None) if comp else None
+            gated = comp is not None and comp.gated and (key == "cosine") == (comp.gate.metric == "cosine")
+            cells.append("-" if row is None or key not in row else
+                         _figure(row[key], key) + ("*" if gated and not row["passed"] else ""))
+        failing = [c for c in report.comparisons for r in c.rows if r["text"] == i and not r["passed"]]
+        if item.get("left_out"):
+            result = "[dim]left out[/dim]"
+        else:
+            result = "[green]pass[/green]" if not failing else \
+                "[bold red]FAIL[/bold red] " + escape(", ".join(f"{c.pair} {c.output}" for c in failing))
+        tokens = f"{item['tokens']}{' cut' if item['truncated'] else ''}"
+        per.add_row(str(i), tokens, escape(" ".join(item["text"].split())), *cells, result)
     console.print(per)
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {escape(note)}", highlight=False)
-    if report.engine is not None and not report.engine.get("ran"):
-        console.print(f"[yellow]engine not run here:[/yellow] {escape(report.engine.get('reason', ''))}; "
-                      "everything else was checked", highlight=False)
-    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
-    console.print(f"{verdict} in {report.seconds:.1f}s" + (f"; report: {escape(str(report_path))}" if report_path
-                                                            else ""), highlight=False)
+    for t in report.ties:
+        console.print(f"[yellow]{t['output']} tie:[/yellow] {t['runner']} vs {t['reference']} on sentence "
+                      f"{t['text']} at decision margin {t['margin']:.2g} (< {t['tie_margin']:g})", highlight=False)
+    tail = f" in {report.seconds:.1f}s" + (f"; report: {escape(str(report_path))}" if report_path else "")
+    if not report.passed:
+        verdict = f"[bold red]FAIL[/bold red]: {len(report.mismatches())} comparison(s) outside their bounds"
+    elif report.engine_unchecked:
+        verdict = (f"[bold yellow]NOT VERIFIED[/bold yellow]: the engine {escape(Path(report.engine['path']).name)} "
+                   f"did not run here: {escape(report.engine_unchecked)}; the ONNX file and the reference passed "
+                   "(check the engine where it runs, or pass --no-engine to check the ONNX alone)")
+    else:
+        ties = len(report.ties)
+        verdict = "[bold green]PASS[/bold green]" + (f" ({ties} tie(s) at near-equal decision margins)" if ties else "")
+    console.print(verdict + tail, highlight=False, soft_wrap=True)  # one line, however narrow the terminal
 
 
 def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Optional[Path], cases: list[str],
@@ -295,7 +355,10 @@ def register(app: typer.Typer) -> None:
                                                 "Face folder (default: the one the export was made from)."),
     ) -> None:
         """Parity with Polygraphy: the PyTorch reference vs ONNX Runtime (both lowerings) and the engine;
-        pretrained exports on real text, also against the original transformers / sentence-transformers model."""
+        pretrained exports on real text, also against the original transformers / sentence-transformers model.
+        Exit status 1: a mismatch; 3: a pretrained export's engine could not run here (not verified)."""
         rep, _path = check_cmd(model, engine, report, cases, no_engine=no_engine, texts=texts, original=original)
         if not rep.passed:
             raise typer.Exit(1)
+        if getattr(rep, "engine_unchecked", None):  # never a pass for an engine that was not run
+            raise typer.Exit(3)

@@ -92,7 +92,12 @@ def neutral_decision(model, fresh) -> tuple[bool, str]:
     if changed is not None:
         return False, f"its pretrained weights differ from the folder's ({changed}): fine-tuned, or another model"
     if host.placement.variant != "mha" or host.placement.append:
-        if not spec.placement.exact:
+        from attnx.pretrained.host import AppendedBlock
+
+        # Appended layers are residual branches, neutral at a zero output projection whatever the
+        # variant; only a variant that replaces a pretrained attention needs neutral values of its own.
+        replaces = any(not isinstance(b, AppendedBlock) and b.variant != "mha" for b in host.blocks)
+        if replaces and not spec.placement.exact:
             return False, f"{spec.name} has no neutral values: the placed model is not the original"
         probe = copy.deepcopy(host)
         _neutralize(probe)
@@ -101,6 +106,12 @@ def neutral_decision(model, fresh) -> tuple[bool, str]:
             return False, (f"the {spec.name} parameters are trained (not at their neutral values: {moved}), so the "
                            "original model no longer applies")
     return True, ""
+
+
+def host_variant_moved(why: str) -> bool:
+    """Whether :func:`neutral_decision`'s reason is the placed variant itself (trained or without
+    neutral values), as opposed to another model's weights."""
+    return "no neutral values" in why or "parameters are trained" in why
 
 
 def plan_original(model, config: dict, override: str | os.PathLike | None = None) -> OriginalPlan:
@@ -131,6 +142,9 @@ def plan_original(model, config: dict, override: str | os.PathLike | None = None
         return skip(f"the source folder {path} cannot be read ({' '.join(str(e).split())[:200]})")
     neutral, why = neutral_decision(model, fresh)
     del fresh
+    if not neutral and override is not None and not host_variant_moved(why):
+        # --original names another model (other weights or shapes): comparing with it cannot pass.
+        raise ParityError(f"--original {source}: not the model this export was made from: {why}")
     if not neutral:
         return OriginalPlan(str(path), False, f"not compared with the original model in {path}: {why}", neutral=False)
     library = _library(folder)

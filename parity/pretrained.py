@@ -11,7 +11,11 @@ with padding, and runs Polygraphy's ``Comparator`` (streaming: one batch at a ti
   source folder, when the placed model still is that model (:mod:`attnx.parity.original` decides
   and says why not);
 - ``onnxrt-<lowering>``: ONNX Runtime on the file;
-- ``tensorrt``: the engine, where it can run.
+- ``tensorrt``: the engine, where it can run; where it cannot (no GPU of its target), the report's
+  verdict is ``engine not run`` (``attnx check`` exits 3), never a pass.
+
+The texts must fit the model: token ids inside its vocabulary and the tokenizer's length inside its
+positions, else one :class:`ParityError` line before anything runs.
 
 Then compares each runtime with the original and with the reference, and the reference with the
 original, sentence by sentence (:mod:`attnx.parity.text_report`: what must hold per precision).
@@ -71,6 +75,7 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
     if not all(isinstance(t, str) and t.strip() for t in texts):
         raise ParityError("--text: every text must be non-empty")
     encoded = tokenizer.encode(texts)
+    _check_tokens(model_path, info, tokenizer, texts, encoded, getattr(host, "max_seq", None))
 
     profiles = {k: list(v) for k, v in (info.profiles or {}).items()}
     engine_info, engine_runner = None, None
@@ -149,6 +154,26 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
         texts=_texts_json(texts, encoded, left_out), tokenizer=tokenizer.to_json(), original=plan.to_json(),
         runners=runner_info, comparisons=ordered, engine=engine_info, notes=notes,
         seconds=time.monotonic() - started, model_sha256=model_sha, batches=[list(c.indices) for c in cases])
+
+
+def _check_tokens(model_path: Path, info: ModelInfo, tokenizer: ExportTokenizer, texts: Sequence[str],
+                  encoded, positions: int | None) -> None:
+    """The tokenizer must fit the model: ids inside the vocabulary and lengths inside the positions
+    (both from the metadata). A swapped tokenizer file or edited metadata is one line here, not a
+    failure deep inside a runner."""
+    ids_entry = next((e for e in info.inputs if e.role == "input_ids"), None)
+    if positions is not None and tokenizer.max_length > positions:
+        raise ParityError(f"the tokenizer of {model_path.name} truncates at {tokenizer.max_length} tokens (attnx.tokenizer "
+                          f"max_length) but the model has {positions} positions: texts that long cannot run; "
+                          "re-export it")
+    high = ids_entry.range[1] if ids_entry is not None and ids_entry.range else None
+    for i, (text, enc) in enumerate(zip(texts, encoded)):
+        top = max(enc.ids, default=0)
+        if high is not None and top >= high:
+            snippet = " ".join(text.split())[:40]
+            raise ParityError(f"text {i} (\"{snippet}\") gives token id {top}, outside the model's vocabulary "
+                              f"[0, {high}) ({ids_entry.name}): the tokenizer {tokenizer.path} does not belong to "
+                              f"{model_path.name}")
 
 
 def _key(ids) -> bytes:
