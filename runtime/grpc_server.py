@@ -9,8 +9,11 @@ nothing is hand-written on the wire. Implemented: ``ServerLive``, ``ServerReady`
 ``raw_output_contents``, as Triton sends them. The rest answer ``UNIMPLEMENTED``.
 
 Every request is checked by :func:`attnx.runtime.protocol.build_infer_request`, exactly as over HTTP,
-and errors map to status codes: 400 -> ``INVALID_ARGUMENT``, 404 -> ``NOT_FOUND``, 413 ->
-``RESOURCE_EXHAUSTED``, 503 -> ``UNAVAILABLE``, anything else -> ``INTERNAL``.
+and errors map to status codes: 400 -> ``INVALID_ARGUMENT``, 404 -> ``NOT_FOUND``, 413 and overload (a
+full queue, too many bytes being decoded) -> ``RESOURCE_EXHAUSTED``, a queue time-out ->
+``DEADLINE_EXCEEDED``, shutting down -> ``UNAVAILABLE``, anything else -> ``INTERNAL``. A call the client
+cancels is counted as ``client_disconnect``, not as an error of ours. The decode budget
+(:class:`~attnx.runtime.admission.ByteBudget`) is the HTTP server's, so both share one bound.
 
 The gRPC server runs on its own thread and event loop (``grpc.aio``), so it starts, binds (port 0
 picks one) and stops independently of uvicorn; requests meet the HTTP ones in the batchers.
@@ -30,6 +33,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 import attnx
 from attnx.runtime import protocol as proto
 from attnx.runtime import service
+from attnx.runtime.admission import ByteBudget
 from attnx.runtime.metrics import ServerMetrics
 from attnx.runtime.session import public_message
 
@@ -40,6 +44,14 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
                   "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                 413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+#: 503s by reason: overload is the client's cue to back off (as Triton answers a full queue).
+OVERLOAD_CODES = {"overload": grpc.StatusCode.RESOURCE_EXHAUSTED, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def status_code(error: proto.ProtocolError) -> grpc.StatusCode:
+    if error.status == 503 and error.reason in OVERLOAD_CODES:
+        return OVERLOAD_CODES[error.reason]
+    return STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
 def _parameters(params) -> dict:
@@ -83,11 +95,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The KServe v2 gRPC service over a :class:`~attnx.runtime.service.ModelRegistry`."""
 
     def __init__(self, registry: service.ModelRegistry, metrics: ServerMetrics, limits: proto.Limits,
-                 extensions: list[str]):
+                 extensions: list[str], budget: ByteBudget | None = None):
         self.registry = registry
         self.metrics = metrics
         self.limits = limits
         self.extensions = extensions
+        self.budget = budget or ByteBudget(limits.decode_budget)
 
     async def _model(self, request, context) -> service.ServedModel:
         try:
@@ -132,14 +145,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         label = request.model_name if request.model_name in self.registry.models else "_unknown_"
         try:
             model = self.registry.get(request.model_name, request.model_version)
-            parsed = proto.build_infer_request(request.id or None, _parameters(request.parameters),
-                                               wire_tensors(request), requested_outputs(request),
-                                               model.signature, self.limits)
+            queue = model.batcher
+            if queue.queue_depth >= queue.config.max_queue_size:  # before decoding anything
+                raise proto.Overloaded(f"model {model.name!r}: queue full ({queue.config.max_queue_size} requests)")
+            async with self.budget.hold(request.ByteSize(), self.limits.decode_wait_s):
+                parsed = proto.build_infer_request(request.id or None, _parameters(request.parameters),
+                                                   wire_tensors(request), requested_outputs(request),
+                                                   model.signature, self.limits)
             outputs = await service.infer(model, parsed)
             response = encode_response(model, parsed, outputs)
         except proto.ProtocolError as e:
             self.metrics.failure(label, e.reason)
-            await context.abort(STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+            await context.abort(status_code(e), e.message)
+        except asyncio.CancelledError:  # the client cancelled or went away
+            self.metrics.failure(label, "client_disconnect")
+            raise
         except Exception as e:  # noqa: BLE001 - the server never dies on a request
             self.metrics.failure(label, "internal")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: "
@@ -166,8 +186,9 @@ class GrpcFrontEnd:
     """The gRPC server on its own thread and event loop; :meth:`start` returns once it is bound."""
 
     def __init__(self, registry: service.ModelRegistry, metrics: ServerMetrics, limits: proto.Limits, *,
-                 host: str = "127.0.0.1", port: int = 8001, extensions: list[str] | None = None):
-        self.servicer = Servicer(registry, metrics, limits, extensions or [])
+                 host: str = "127.0.0.1", port: int = 8001, extensions: list[str] | None = None,
+                 budget: ByteBudget | None = None):
+        self.servicer = Servicer(registry, metrics, limits, extensions or [], budget)
         self.host, self.requested_port, self.limits = host, port, limits
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

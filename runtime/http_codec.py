@@ -13,13 +13,17 @@ goes as JSON strings, or binary as 4-byte little-endian lengths each followed by
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import zlib
 from typing import Any
 
 import numpy as np
+import orjson
 
 from attnx.runtime.protocol import (
     BadRequest,
+    ProtocolError,
     InferRequest,
     Limits,
     ModelSignature,
@@ -62,22 +66,71 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-def _reject_constant(name: str) -> float:
-    # Python's json accepts NaN/Infinity, which JSON does not have; refuse them at parse time.
-    raise BadRequest(f"invalid JSON number {name}")
+#: A flat list of numbers under a "data" key (no strings, objects or nested lists inside).
+_NUMBER_LIST = re.compile(rb'"data"\s*:\s*\[([-+0-9.eE,\s]*)\]')
+#: What stands in for such a list while the rest of the body is parsed (random: clients cannot forge it).
+_MARK = "\x00attnx-numbers-" + secrets.token_hex(8) + "-"
+#: Bodies under _SMALL_BODY are parsed in one go (their Python objects are small; scanning costs CPU).
+#: In bigger ones, lists of at least _MIN_LIST bytes of text are decoded in slices of about _SLICE bytes,
+#: so a list never exists as millions of Python floats at once.
+_SMALL_BODY, _MIN_LIST, _SLICE = 1 << 20, 16 << 10, 1 << 20
 
 
-def parse_json(part: bytes) -> Any:
+def _loads(part) -> Any:
+    """Strict RFC 8259 JSON (orjson: no NaN/Infinity, no numbers that overflow a double, depth <= 1024)."""
     try:
-        return json.loads(part, parse_constant=_reject_constant)
-    except BadRequest:
-        raise
-    except UnicodeDecodeError:
-        raise BadRequest("request JSON is not valid UTF-8") from None
-    except RecursionError:
-        raise BadRequest("request JSON is nested too deeply") from None
-    except ValueError as e:
-        raise BadRequest(f"malformed request JSON: {e}") from None
+        return orjson.loads(part)
+    except orjson.JSONDecodeError as e:
+        message = str(e)
+        if "UTF-8" in message or "surrogate" in message:
+            raise BadRequest(f"request JSON is not valid UTF-8 ({message})") from None
+        if "depth limit" in message:
+            raise BadRequest("request JSON is nested too deeply") from None
+        raise BadRequest(f"malformed request JSON: {message}") from None
+
+
+def parse_json(part) -> Any:
+    """The request JSON, with every long flat numeric ``"data"`` list decoded straight to a numpy array
+    (int64 or float64, as the plain parse would give) without a Python object per element."""
+    if len(part) < _SMALL_BODY:
+        return _loads(part)
+    found = [m.span(1) for m in _NUMBER_LIST.finditer(part) if m.end(1) - m.start(1) >= _MIN_LIST]
+    if not found:
+        return _loads(part)
+    pieces, pos, spans = [], 0, {}
+    for i, (start, end) in enumerate(found):
+        key = f"{_MARK}{i}"
+        pieces += [part[pos:start - 1], orjson.dumps(key)]  # a JSON string in place of the "[...]"
+        spans[key] = (start, end)
+        pos = end + 1
+    pieces.append(part[pos:])
+    tree = _loads(b"".join(pieces))
+    inputs = tree.get("inputs") if isinstance(tree, dict) else None
+    for item in inputs if isinstance(inputs, list) else ():
+        data = item.get("data") if isinstance(item, dict) else None
+        if isinstance(data, str) and data in spans:
+            item["data"] = _decode_numbers(part, *spans[data])
+            if item["data"] is None:  # something the fast path does not judge: the plain parse says what
+                return _loads(part)
+    return tree
+
+
+def _decode_numbers(part, start: int, end: int) -> np.ndarray | None:
+    """``part[start:end]`` (comma-separated JSON numbers) -> int64/float64 array, one slice at a time."""
+    count = part.count(b",", start, end) + 1
+    out, filled, pos = None, 0, start
+    while pos < end:
+        stop = end if end - pos <= _SLICE else part.find(b",", pos + _SLICE, end)
+        stop = end if stop < 0 else stop
+        values = np.array(_loads(b"[" + part[pos:stop] + b"]"))
+        if values.dtype.kind not in "if" or filled + values.size > count:
+            return None  # huge integers (object / uint64) or a malformed list
+        if out is None or (out.dtype.kind == "i" and values.dtype.kind == "f"):
+            out = (np.empty(count, values.dtype) if out is None else out.astype(np.float64))
+        out[filled:filled + values.size] = values
+        filled += values.size
+        pos = stop + 1
+    return out if out is not None and filled == count else None
 
 
 def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignature, limits: Limits) -> InferRequest:
@@ -133,6 +186,13 @@ def _not_a_list(name: str):
     raise BadRequest(f"input {name!r}: 'data' must be a list")
 
 
+class NonFiniteOutput(ProtocolError):
+    """A JSON output holds NaN or an infinity, which JSON (RFC 8259) has no way to write."""
+
+    status = 500
+    reason = "non_finite_output"
+
+
 def encode_infer_response(
     model_name: str,
     model_version: str,
@@ -140,7 +200,12 @@ def encode_infer_response(
     outputs: dict[str, np.ndarray],
     order: list[str],
 ) -> tuple[bytes, int | None]:
-    """Response body, and the JSON header's length when binary outputs follow it."""
+    """Response body, and the JSON header's length when binary outputs follow it.
+
+    JSON ``data`` is written by orjson straight from the array (no Python object per element). NaN and
+    infinities have no JSON form: such an output is refused (:class:`NonFiniteOutput`) rather than sent
+    as the non-standard ``NaN`` tokens browsers and strict clients reject; as binary data they go as-is.
+    """
     names = request.outputs if request.outputs is not None else [n for n in order if n in outputs]
     entries = []
     chunks: list[bytes] = []
@@ -152,12 +217,15 @@ def encode_infer_response(
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         else:
-            entry["data"] = arr.ravel().tolist()
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise NonFiniteOutput(f"output {name!r} holds NaN or infinite values, which JSON cannot carry; "
+                                      f"ask for it as binary data (parameters.binary_data: true)")
+            entry["data"] = np.ascontiguousarray(arr).reshape(-1)
         entries.append(entry)
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
     if request.id is not None:
         response["id"] = request.id
-    header = json.dumps(response, separators=(",", ":")).encode()
+    header = orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
         return header, None
     return header + b"".join(chunks), len(header)

@@ -23,6 +23,8 @@ REASONS = (
     "overload",
     "timeout",
     "shutting_down",
+    "client_disconnect",  # the client closed the connection before its request was read: not our error
+    "non_finite_output",  # a JSON output held NaN/Inf, which JSON cannot carry (binary can)
     "internal",
 )
 

@@ -103,6 +103,11 @@ class Limits:
     - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it
       declares one, else unlimited).
     - ``max_texts``: strings in one text request, default 1024.
+    - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests
+      (default: the larger of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to
+      ``decode_wait_s`` seconds, then get 503. Decoding JSON costs a few times the body's size.
+
+    Limits that would refuse every request (a body limit or max seq below 1) are refused here.
     """
 
     max_body_bytes: int = 64 << 20
@@ -110,6 +115,21 @@ class Limits:
     max_request_elements: int = 32 << 20
     max_seq: int | None = None
     max_texts: int = 1024
+    max_decode_bytes: int | None = None
+    decode_wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_tensor_elements", "max_request_elements", "max_texts",
+                     "max_seq", "max_decode_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.decode_wait_s >= 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s!r}")
+
+    @property
+    def decode_budget(self) -> int:
+        return self.max_decode_bytes or max(self.max_body_bytes, 64 << 20)
 
 
 @dataclass
@@ -208,8 +228,8 @@ def _values_to_array(name: str, data: Any, dtype: np.dtype, shape: list[int], co
     """JSON / typed values (flat or nested list, row-major) -> array, with strict element types."""
     if not isinstance(data, (list, tuple)) and not hasattr(data, "__len__"):
         raise BadRequest(f"input {name!r}: 'data' must be a list")
-    try:
-        raw = np.array(data)
+    try:  # an array already (the HTTP codec decodes long JSON lists itself): no copy
+        raw = data if isinstance(data, np.ndarray) else np.array(data)
     except (ValueError, TypeError, RecursionError):
         raise BadRequest(f"input {name!r}: 'data' is not a regular (non-ragged) list of numbers") from None
     if raw.size != count:
@@ -388,7 +408,7 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
         if t.raw is not None:
             arr = _raw_to_array(t.name, t.raw, dtype, shape, count)
         elif t.data is not None:
-            if not isinstance(t.data, list):
+            if not isinstance(t.data, (list, np.ndarray)):
                 raise BadRequest(f"input {t.name!r}: 'data' must be a list")
             arr = _values_to_array(t.name, t.data, dtype, shape, count)
         elif t.contents is not None:

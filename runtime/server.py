@@ -11,10 +11,16 @@ The gRPC service (:mod:`attnx.runtime.grpc_server`) runs beside it when a gRPC p
 Models that carry a tokenizer (or get one with ``tokenizers=``) take text as a ``BYTES`` input.
 
 Each model has a :class:`~attnx.runtime.batcher.DynamicBatcher` (one worker
-thread), so the event loop only parses, validates and encodes; it never waits
-on compute. Errors are ``{"error": "..."}``: 400 bad input, 404 unknown model or
-version, 413 body over the limit, 503 overload (queue full, queue timeout,
-shutting down), 500 only for a bug.
+thread), so the event loop never waits on compute; bodies over 32 KB are decoded
+and big responses encoded in one codec thread, so it never waits on parsing
+either (health probes stay fast under JSON load). Admission, before the body is
+read: a full queue answers 503 at once, and the bytes of bodies being read and
+decoded are bounded (:class:`~attnx.runtime.admission.ByteBudget`, shared with
+gRPC). Errors are ``{"error": "..."}``: 400 bad input, 404 unknown model or
+version, 413 body over the limit, 503 overload (queue full, decode budget,
+queue timeout, shutting down; with ``Retry-After``), 500 for a JSON output
+holding NaN/Inf (which JSON cannot carry; binary can) and for bugs. A client
+that disconnects mid-body is counted as ``client_disconnect``, not an error.
 
 Shutdown (Ctrl-C, SIGTERM or :meth:`InferenceServer.stop`) stops accepting
 connections, lets in-flight requests finish, then drains and closes the batchers.
@@ -23,6 +29,7 @@ connections, lets in-flight requests finish, then drains and closes the batchers
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -38,11 +45,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import attnx
 import attnx.runtime.http_codec as codec
 import attnx.runtime.protocol as proto
 from attnx.runtime import service
+from attnx.runtime.admission import ByteBudget, declared_length, read_body
 from attnx.runtime.batcher import BatcherConfig, BatchLayout, DynamicBatcher
 from attnx.runtime.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from attnx.runtime.service import ModelRegistry, ServedModel
@@ -53,7 +62,7 @@ SERVER_NAME = "attnx"
 #: Protocol extensions we implement (Triton names).
 EXTENSIONS = ["binary_tensor_data", "model_repository(index)", "statistics(prometheus)"]
 #: Parse/encode bodies larger than this in a worker thread, so big JSON does not stall the loop.
-_OFFLOAD_PARSE_BYTES = 256 << 10
+_OFFLOAD_PARSE_BYTES = 32 << 10
 log = logging.getLogger("attnx.serve")
 
 Overloaded = proto.Overloaded  # kept importable from here
@@ -71,9 +80,11 @@ class ServerConfig:
 
 
 def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Limits,
-               on_shutdown: Callable[[], None] | None = None):
+               on_shutdown: Callable[[], None] | None = None, budget: ByteBudget | None = None):
     """The ASGI app (FastAPI) over a set of models. ``on_shutdown`` runs before the batchers close
-    (the gRPC front end stops there, so its in-flight calls finish too)."""
+    (the gRPC front end stops there, so its in-flight calls finish too); ``budget`` bounds the bytes of
+    bodies being read and decoded at once (shared with gRPC; default: its own, of ``limits.decode_budget``)."""
+    budget = budget or ByteBudget(limits.decode_budget)
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -83,13 +94,16 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
         if on_shutdown is not None:
             await loop.run_in_executor(None, on_shutdown)
         await loop.run_in_executor(None, registry.close)
+        codec_pool.shutdown(wait=False)
 
     app = FastAPI(title="attnx", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.registry = registry
     app.state.metrics = metrics
 
     def error(status: int, message: str) -> Response:
-        return Response(codec.error_body(message), status_code=status, media_type="application/json")
+        headers = {"Retry-After": "1"} if status == 503 else None  # overload is temporary: say when to retry
+        return Response(codec.error_body(message), status_code=status, media_type="application/json",
+                        headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -147,6 +161,16 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # --- inference ---------------------------------------------------------------
+    # Decoding JSON and encoding big outputs hold the GIL in C code: in one thread, so the event loop
+    # (health probes, other requests' I/O) competes with one such thread only. (Two threads decode no
+    # faster under the GIL, and doubled health-probe latency under 40 JSON clients in
+    # benchmarks/bench_server_load.py.)
+    codec_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="attnx-codec")
+    admitted: dict[str, int] = {}  # per model: requests let in whose body is not queued yet
+
+    async def off_loop(fn):
+        return await asyncio.get_running_loop().run_in_executor(codec_pool, fn)
+
     @app.post("/v2/models/{name}/infer")
     @app.post("/v2/models/{name}/versions/{version}/infer")
     async def infer(name: str, request: Request, version: str | None = None):
@@ -154,26 +178,32 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
         label = name if name in registry.models else "_unknown_"  # bounded label cardinality
         try:
             model = registry.get(name, version)
-            body = await _read_body(request, limits.max_body_bytes)
-            body = codec.decompress(body, request.headers.get("content-encoding"), limits.max_body_bytes)
-            header_length = request.headers.get("inference-header-content-length")
-            sig = model.signature
-            if len(body) > _OFFLOAD_PARSE_BYTES:
-                parsed = await asyncio.to_thread(codec.parse_infer_request, body, header_length, sig, limits)
-            else:
-                parsed = codec.parse_infer_request(body, header_length, sig, limits)
+            size = declared_length(request, limits.max_body_bytes)
+            # Overload is refused before a byte of the body is read, whatever its size.
+            queue = model.batcher
+            if queue.queue_depth + admitted.get(name, 0) >= queue.config.max_queue_size:
+                raise proto.Overloaded(f"model {name!r}: queue full ({queue.config.max_queue_size} requests)")
+            admitted[name] = admitted.get(name, 0) + 1
+            try:
+                async with budget.hold(limits.max_body_bytes if size is None else size, limits.decode_wait_s):
+                    parsed = await read_and_parse(request, model, size)
+            finally:
+                admitted[name] -= 1
             outputs = await service.infer(model, parsed)
             encode = functools.partial(
                 codec.encode_infer_response, model.name, model.version, parsed, outputs, model.session.output_names
             )
-            # Turning a big output into JSON text takes a while: not on the event loop.
             big = sum(a.nbytes for a in outputs.values()) > _OFFLOAD_PARSE_BYTES
-            payload, json_len = await asyncio.to_thread(encode) if big else encode()
+            payload, json_len = await off_loop(encode) if big else encode()
         except proto.ProtocolError as e:
             metrics.failure(label, e.reason)
             return error(e.status, e.message)
+        except ClientDisconnect:  # the client went away mid-body: its time-out, not our error
+            metrics.failure(label, "client_disconnect")
+            return error(499, "client disconnected")
         except Exception as e:  # noqa: BLE001 - the server never dies on a request
             metrics.failure(label, "internal")
+            log.exception("internal error in an infer request")
             return error(500, f"internal error: {type(e).__name__}: {public_message(str(e))}")
         metrics.success(label, time.perf_counter() - started)
         if json_len is None:
@@ -184,28 +214,22 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
             headers={"Inference-Header-Content-Length": str(json_len)},
         )
 
+    async def read_and_parse(request: Request, model: ServedModel, size: int | None) -> proto.InferRequest:
+        body = await read_body(request, limits.max_body_bytes, size)
+        encoding = request.headers.get("content-encoding")
+        header_length = request.headers.get("inference-header-content-length")
+        parse = functools.partial(_decode, body, encoding, header_length, model.signature, limits)
+        return await off_loop(parse) if len(body) > _OFFLOAD_PARSE_BYTES or encoding else parse()
+
     from attnx.runtime.explain import add_explain_routes
 
     add_explain_routes(app, registry)  # /explain: attention pages computed by the served models
     return app
 
 
-async def _read_body(request, limit: int) -> bytes:
-    """The body, refusing (413) as soon as it is known to exceed ``limit``."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise proto.BadRequest("invalid Content-Length")
-        if int(declared) > limit:
-            raise proto.TooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise proto.TooLarge(f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _decode(body, encoding, header_length, sig, limits) -> proto.InferRequest:
+    body = codec.decompress(body, encoding, limits.max_body_bytes)
+    return codec.parse_infer_request(body, header_length, sig, limits)
 
 
 # --------------------------------------------------------------------------------------
@@ -280,6 +304,7 @@ class InferenceServer:
         self.limits = limits or proto.Limits()
         self.metrics = ServerMetrics()
         self.registry = ModelRegistry()
+        self.budget = ByteBudget(self.limits.decode_budget)  # shared by HTTP and gRPC
         self.warnings: list[str] = []
         tokenizers = dict(tokenizers or {})
         for name, model in models.items():
@@ -300,8 +325,9 @@ class InferenceServer:
             from attnx.runtime.grpc_server import GrpcFrontEnd
 
             self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
-                                     extensions=EXTENSIONS)
-        self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._stop_grpc)
+                                     extensions=EXTENSIONS, budget=self.budget)
+        self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._stop_grpc,
+                              budget=self.budget)
         self._socket: socket.socket | None = None
         self._bound_port: int | None = None
         self._uvicorn = None

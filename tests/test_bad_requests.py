@@ -235,3 +235,45 @@ def test_good_requests_still_work_in_every_form(http, sessions):
     assert r.status_code == 200 and r.json()["id"] == "x1", r.text
     out = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in r.json()["outputs"]}
     assert_outputs_equal({"output": out["output"].astype(np.float32), "maw_depth": out["maw_depth"]}, want)
+
+
+def test_out_of_range_metaphor_type_ids_fail_alone_among_concurrent_good_requests(exported):
+    """Item 1: integer context inputs (metaphor type ids, range [0, 16)) are checked before they join a
+    batch; the bad requests get 400 naming the range, the good ones sent with them their own numbers."""
+    import threading
+
+    from attnx.runtime.batcher import BatcherConfig
+    from conftest_runtime import request
+
+    session = load(exported("metaphor", metaphor_input="token_type", **EXPORT_KW).path, device="cpu")
+    assert session.input("metaphor").range == (0, 16)
+    feeds = [request(session, rows=1, length=6, seed=i) for i in range(8)]
+    bad = {3: 16, 6: -1}
+    for i, value in bad.items():
+        feeds[i]["metaphor"] = feeds[i]["metaphor"].copy()
+        feeds[i]["metaphor"][0, 2] = value
+    results: dict = {}
+    batching = BatcherConfig(max_batch_size=8, max_queue_delay_ms=200, max_length_ratio=None)
+    with running_server({"metaphor": session.path}, batching=batching) as srv:
+        barrier = threading.Barrier(len(feeds))
+
+        def call(i):
+            body = json_body(*(json_tensor(k, v) for k, v in feeds[i].items()))
+            barrier.wait(30)
+            r = httpx.post(f"{srv.url}/v2/models/metaphor/infer", content=body, timeout=60)
+            results[i] = (r.status_code, r.json())
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(feeds))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    for i, f in enumerate(feeds):
+        status, payload = results[i]
+        if i in bad:
+            assert status == 400, payload
+            assert f"value {bad[i]} at [0, 2] is outside the model's range [0, 16)" in payload["error"], payload
+            continue
+        assert status == 200, payload
+        out = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in payload["outputs"]}
+        np.testing.assert_allclose(out["output"], session.run(f)["output"], atol=1e-5, rtol=0)

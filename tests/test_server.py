@@ -378,3 +378,32 @@ def test_fp16_model_over_json_and_binary(exported):
                 assert_outputs_equal(got, want, atol=1e-3)
         finally:
             c.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-body-mb", "-1"], "--max-body-mb must be positive, got -1.0"),
+    (["--max-body-mb", "0"], "--max-body-mb must be positive, got 0.0"),
+    (["--max-seq", "-5"], "--max-seq must be >= 1, got -5"),
+    (["--max-seq", "0"], "--max-seq must be >= 1, got 0"),
+    (["--port", "99999"], "--port must be 0..65535, got 99999"),
+    (["--port", "-1"], "--port must be 0..65535, got -1"),
+    (["--grpc-port", "70000"], "--grpc-port must be 0..65535, got 70000"),
+], ids=["body-negative", "body-zero", "seq-negative", "seq-zero", "port-high", "port-negative", "grpc-port-high"])
+def test_serve_refuses_limits_that_would_fail_every_request(paths, flags, message):
+    """Before: --max-body-mb -1 served and answered every request 413, --max-seq -5 every one 400."""
+    cmd = [sys.executable, "-m", "attnx.cli.main", "serve", str(paths["maw"]), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "listening" not in proc.stderr + proc.stdout
+
+
+def test_limits_that_refuse_every_request_are_a_value_error():
+    from attnx.runtime.protocol import Limits
+
+    for field in ("max_body_bytes", "max_seq", "max_tensor_elements", "max_texts", "max_decode_bytes"):
+        with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+            Limits(**{field: 0})
+    assert Limits(max_body_bytes=1 << 20).decode_budget == 64 << 20
+    assert Limits(max_body_bytes=100 << 20).decode_budget == 100 << 20

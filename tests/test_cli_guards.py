@@ -1,0 +1,28 @@
+"""CLI guards of issue 15 item 7: a command never destroys the file it reads (one line, non-zero exit)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import onnx
+
+from conftest_runtime import EXPORT_KW
+
+
+def test_build_engine_refuses_to_write_over_its_source_model(exported, tmp_path):
+    """Before: `attnx build-engine v.onnx -o v.onnx` replaced the ONNX file with the engine, exit 0."""
+    src = exported("maw", **EXPORT_KW).path
+    model = tmp_path / "v.onnx"
+    shutil.copy(src, model)
+    before = model.read_bytes()
+    for spelled in (model, tmp_path / "sub" / ".." / "v.onnx"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "attnx.cli.main", "build-engine", str(model), "-o", str(spelled)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "is the model itself" in lines[0] and "v.engine" in lines[0], proc.stderr
+    assert model.read_bytes() == before
+    onnx.checker.check_model(onnx.load(model, load_external_data=False))
