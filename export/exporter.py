@@ -172,12 +172,16 @@ def save_model(model: onnx.ModelProto, path: Path) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     external = _initializer_bytes(model) > _EXTERNAL_DATA_BYTES
     tmp = path.with_name(path.name + ".tmp")
-    if external:
-        onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(model, str(tmp))
-    os.replace(tmp, path)
+    try:
+        if external:
+            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=path.name + ".data", size_threshold=1024)
+        else:
+            onnx.save_model(model, str(tmp))
+        os.replace(tmp, path)
+    except BaseException:  # a failed save (disk full, interrupted) leaves no half-written .tmp behind
+        tmp.unlink(missing_ok=True)
+        raise
     return external
 
 
