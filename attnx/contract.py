@@ -126,7 +126,7 @@ class ModelInfo:
     variant: str
     config: dict  # everything needed to rebuild the PyTorch reference
     lowering: str  # plugin | rewrite
-    precision: str  # fp32 | fp16
+    precision: str  # fp32 | fp16 | int8 (CPU: int8 MatMul weights, attnx.export.quantize)
     inputs: list[TensorEntry]
     outputs: list[TensorEntry]
     profiles: dict  # {"batch": [min, opt, max], "seq": [...]}

@@ -97,6 +97,8 @@ def register(app: typer.Typer) -> None:
         output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .onnx (default: attnx-out/<name>.onnx)."),
         lowering: str = typer.Option("plugin", "--lowering", help="plugin (custom ops) | rewrite (standard ops only)"),
         fp16: bool = typer.Option(False, "--fp16", help="fp16 weights/activations; softmax, LayerNorm, reductions in fp32."),
+        int8: bool = typer.Option(False, "--int8", help="CPU int8: MatMul/Gemm weights int8, activations quantized "
+                                  "per token at run time; softmax, LayerNorm and custom ops stay float."),
         sets: List[str] = typer.Option([], "--set", help="Config option key=value (repeatable); see `attnx variants`."),
         checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="safetensors weights to load (with "
                                                   "--from-pretrained: the placed variant's trained parameters)."),
@@ -121,6 +123,8 @@ def register(app: typer.Typer) -> None:
 
         if lowering not in LOWERINGS:
             raise UserError(f"--lowering {lowering!r}: valid: {', '.join(LOWERINGS)}")
+        if int8 and fp16:
+            raise UserError("--int8 and --fp16 cannot be combined: int8 quantizes the fp32 export (choose one)")
         if variant is None and pretrained is None:
             raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
         variant = variant or "mha"
@@ -143,6 +147,8 @@ def register(app: typer.Typer) -> None:
             from attnx.pretrained import read_folder
 
             planned = workdir() / f"{default_name(read_folder(pretrained), variant, lowering, fp16)}.onnx"
+        if int8 and output is None:
+            planned = output = planned.with_name(f"{planned.stem}-int8.onnx")
         refuse_overwriting_inputs(planned, checkpoint, pretrained)
         label = f"{pretrained.name} + {variant}" if pretrained is not None else variant
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
@@ -174,6 +180,12 @@ def register(app: typer.Typer) -> None:
                 result = export_variant(variant, path, overrides=overrides, n_layers=layers, lowering=lowering,
                                         fp16=fp16, checkpoint=checkpoint, opset=opset, seed=seed, profiles=profiles,
                                         progress=step, attention_outputs=attention_outputs, head_mask=head_mask)
+            if int8:
+                from attnx.export.quantize import quantize_file
+
+                progress.update(task, description=f"export {label}: int8")
+                quantize_file(result.path, result.path)
+                result.info.precision = "int8"
             progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "

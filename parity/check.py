@@ -245,7 +245,7 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
     if texts or original is not None:
         raise ParityError(f"--text and --original apply to pretrained exports; {model_path.name} is an attnx "
                           "encoder checked on generated inputs (use --case)")
-    precision = info.precision if info.precision in ("fp32", "fp16") else "fp32"
+    precision = info.precision if info.precision in ("fp32", "fp16", "int8") else "fp32"
     tol = resolve_tolerances(model, info.outputs, precision, tolerances)
     weights_sha = sha256_file(model_path.parent / info.weights)
     model_sha = sha256_file(model_path)
@@ -281,7 +281,7 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
         runner_info.append({"name": "tensorrt", "kind": "tensorrt", "path": str(engine), "ran": engine_info["ran"],
                             **({"reason": engine_info["reason"]} if not engine_info["ran"] else {})})
 
-    margins = tie_margins(model, precision)
+    margins = tie_margins(model, "fp16" if precision == "int8" else precision)  # int8 flips near-ties as fp16 does
     tracker = TieTracker(margins, main_outputs(info.outputs))
     step("run")
     try:

@@ -29,7 +29,8 @@ from attnx.parity.runners import MARGIN_PREFIX
 Tolerance = tuple[float, float, float]
 
 #: Float outputs, per precision, unless a variant says otherwise.
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {"fp32": (1e-4, 1e-4, 1e-5), "fp16": (5e-2, 5e-2, 2e-3)}
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {"fp32": (1e-4, 1e-4, 1e-5), "fp16": (5e-2, 5e-2, 2e-3),
+                                             "int8": (1.5e-1, 1.5e-1, 2e-2)}  # 8-bit weights and activations
 EXACT: Tolerance = (0.0, 0.0, 0.0)
 
 

@@ -63,20 +63,39 @@ def ort_providers(device: str = "auto") -> list[str]:
 
 @dataclass
 class OrtOptions:
-    """ONNX Runtime settings a service cares about.
+    """ONNX Runtime settings a service cares about; the defaults are what ``benchmarks/bench_ort_settings.py``
+    measured best or equal (docs/performance.md). Override through ``attnx.runtime.load(path, **options)``.
 
     - ``threads``: intra-op threads (default: the CPUs this process may use).
+    - ``inter_threads``: inter-op threads (default 1: the graph runs sequentially; an encoder is a chain,
+      parallel branches are rare, and more pools only compete for the same cores).
     - ``spin``: let idle pool threads busy-wait. Off by default: a served model
       is idle between batches, and spinning threads would steal the cores the
-      HTTP front end and the other models need.
+      HTTP front end and the other models need (measured: no faster when busy, either).
     - ``optimization``: graph optimization level (``all``, ``extended``, ``basic``, ``none``).
+    - ``arena``: ORT's CPU memory arena (default on: buffers are reused between calls; off returns them
+      to the system after each call, for a lower resident footprint at some latency).
+    - ``mem_pattern``: pre-plan buffers from the first call's shapes (default on).
     """
 
     device: str = "auto"
     threads: int | None = None
+    inter_threads: int = 1
     spin: bool = False
     optimization: str = "all"
+    arena: bool = True
+    mem_pattern: bool = True
     extra_session_config: dict[str, str] = field(default_factory=dict)
+
+    _LEVELS = ("all", "extended", "basic", "none")
+
+    def __post_init__(self):
+        if self.optimization not in self._LEVELS:
+            raise ValueError(f"optimization {self.optimization!r}: valid: {', '.join(self._LEVELS)}")
+        for name in ("threads", "inter_threads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def session_options(self):
         """These options as an ``onnxruntime.SessionOptions``."""
@@ -84,8 +103,11 @@ class OrtOptions:
 
         so = ort.SessionOptions()
         so.intra_op_num_threads = self.threads or default_threads()
-        so.inter_op_num_threads = 1  # one graph at a time per call; parallelism comes from intra-op
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.inter_op_num_threads = self.inter_threads
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL if self.inter_threads == 1 else \
+            ort.ExecutionMode.ORT_PARALLEL
+        so.enable_cpu_mem_arena = self.arena
+        so.enable_mem_pattern = self.mem_pattern
         so.graph_optimization_level = {
             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,

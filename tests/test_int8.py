@@ -1,0 +1,163 @@
+"""INT8 on CPU (``attnx export --int8``, :mod:`attnx.export.quantize`) on the real all-MiniLM-L6-v2:
+integer MatMuls (QuantizeLinear + MatMulIntegerToFloat) in the file, softmax / LayerNorm / custom ops still float, sentence embeddings
+against sentence-transformers itself, ``attnx check`` passing the file and failing a broken one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from attnx import parity
+from attnx.contract import DOMAIN, ModelInfo
+from attnx.export.quantize import quantize_file
+from attnx.parity.text_cases import ExportTokenizer
+from attnx.parity.text_report import COSINE
+from attnx.pretrained import minilm_path
+from attnx.pretrained.sentences import SENTENCES
+
+FEW = [SENTENCES[0], SENTENCES[2], SENTENCES[9], " ".join(SENTENCES)]  # short, "Hi!", "Ok.", ~216 tokens
+
+
+@pytest.fixture(scope="module")
+def st():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_path()), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def int8_of(minilm_export):
+    """``int8_of(variant) -> (fp32 path, int8 path)``: the session's fp32 export quantized beside it
+    (same folder: the tokenizer folder and weights named by the metadata are shared)."""
+    cache = {}
+
+    def get(variant: str = "mha"):
+        if variant not in cache:
+            src = minilm_export(variant).path
+            dst = src.with_name(f"{src.stem}-int8.onnx")
+            quantize_file(src, dst)
+            cache[variant] = (src, dst)
+        return cache[variant]
+
+    return get
+
+
+def _embed(path: Path, texts) -> np.ndarray:
+    """Sentence embeddings from ONNX Runtime, the texts padded into one batch (padding must not matter)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    enc = ExportTokenizer(path, ModelInfo.read(path)).encode(texts)
+    width = max(len(e.ids) for e in enc)
+    ids = np.zeros((len(enc), width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(enc):
+        ids[i, :len(e.ids)], mask[i, :len(e.ids)] = e.ids, 1
+    feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+    rng = np.random.default_rng(0)
+    for entry in ModelInfo.read(path).inputs:  # a variant's context inputs: fixed unit-scale values
+        if entry.name not in feeds:
+            shape = [len(enc) if d == "batch" else width if d == "seq" else int(d) for d in entry.shape]
+            feeds[entry.name] = rng.standard_normal(shape).astype(entry.dtype)
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(["sentence_embedding"], {k: v for k, v in feeds.items() if k in names})[0].astype(np.float64)
+
+
+def _cosines(a, b):
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_int8_file_has_integer_matmuls_and_float_softmax_layernorm(int8_of):
+    src, dst = int8_of("mha")
+    model, fp32 = onnx.load(str(dst)), onnx.load(str(src))
+    ops = [n.op_type for n in model.graph.node]
+    inits = {t.name: t for t in model.graph.initializer}
+    weight_matmuls = [n for n in fp32.graph.node if n.op_type == "MatMul" and n.input[1] in
+                      {t.name for t in fp32.graph.initializer}]
+    assert ops.count("MatMulIntegerToFloat") == len(weight_matmuls) == 36  # 6 layers x (q, k, v, o, ffn in, out)
+    assert ops.count("QuantizeLinear") == 24  # q, k, v share their input's quantization
+    assert not [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits]
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for n in model.graph.node:
+        if n.op_type == "MatMulIntegerToFloat":
+            assert n.domain == "com.microsoft"
+            assert inits[n.input[1]].data_type == onnx.TensorProto.UINT8  # int8 weights (stored around 128)
+            assert producers[n.input[0]].op_type == "QuantizeLinear"  # int8 activations
+    # LayerNorm and attention are untouched: same count, float weights
+    for op in ("LayerNormalization", "Attention", "Gelu"):
+        assert ops.count(op) == [x.op_type for x in fp32.graph.node].count(op) > 0
+    for n in model.graph.node:
+        if n.op_type == "LayerNormalization":
+            assert inits[n.input[1]].data_type == onnx.TensorProto.FLOAT
+    assert ModelInfo.read(dst).precision == "int8"
+    assert dst.stat().st_size < 0.7 * src.stat().st_size
+
+
+def test_int8_sentence_embeddings_match_sentence_transformers(int8_of, st):
+    _, dst = int8_of("mha")
+    got, ref = _embed(dst, SENTENCES), st.encode(SENTENCES, convert_to_numpy=True).astype(np.float64)
+    cos = _cosines(got, ref)
+    assert cos.min() >= COSINE["int8"], cos
+    assert cos.mean() >= 0.99, cos
+    assert cos.min() < 1 - 1e-6  # it is quantized: not the fp32 numbers
+
+
+def test_check_passes_int8_and_fails_a_broken_int8(int8_of, tmp_path):
+    _, dst = int8_of("mha")
+    rep = parity.run_check(dst, workdir=tmp_path / "ok", texts=FEW)
+    assert rep.passed, rep.mismatches()
+    assert rep.precision == "int8"
+    cmp = next(c for c in rep.comparisons if (c.runner, c.reference, c.output) ==
+               ("onnxrt-plugin", "original", "sentence_embedding"))
+    assert cmp.gate.metric == "cosine" and cmp.gate.bound == COSINE["int8"]
+    hidden = next(c for c in rep.comparisons if c.output == "last_hidden_state" and c.runner == "onnxrt-plugin")
+    assert hidden.gate.metric == "report" and all(r["max_abs"] > 0 for r in hidden.rows)  # reported, not gated
+
+    # broken: the first FFN-in weight's column scales tripled (one layer's weights wrong by 3x)
+    model = onnx.load(str(dst))
+    scale = next(t for t in model.graph.initializer if t.name.endswith("__scale") and list(t.dims) == [1536])
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 3, scale.name))
+    bad = dst.with_name(f"{dst.stem}-broken.onnx")
+    onnx.save(model, str(bad))
+    rep = parity.run_check(bad, workdir=tmp_path / "bad", texts=FEW)
+    assert not rep.passed
+    assert any("sentence_embedding cosine" in m for m in rep.mismatches())
+
+
+def test_custom_op_variant_keeps_its_op_in_float_and_matches_its_fp32_export(int8_of):
+    src, dst = int8_of("smal")
+    model = onnx.load(str(dst))
+    custom = [n for n in model.graph.node if n.domain == DOMAIN]
+    assert custom and len(custom) == len([n for n in onnx.load(str(src)).graph.node if n.domain == DOMAIN])
+    assert {f.name for f in model.functions} >= {n.op_type for n in custom}  # bodies kept, ORT runs them
+    producers = {o: n for n in model.graph.node for o in n.output}
+    for n in custom:  # fed by float tensors, not by integer ones
+        for name in n.input:
+            p = producers.get(name)
+            assert p is None or p.op_type not in ("QuantizeLinear", "Cast") or \
+                any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in p.attribute)
+    cos = _cosines(_embed(dst, SENTENCES), _embed(src, SENTENCES))
+    assert cos.min() >= COSINE["int8"], cos
+
+
+def test_cli_refuses_int8_with_fp16_in_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", "--int8", "--fp16",
+                          "-o", str(tmp_path / "m.onnx")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0
+    lines = [ln for ln in (out.stdout + out.stderr).strip().splitlines() if ln.strip()]
+    assert lines == ["error: --int8 and --fp16 cannot be combined: int8 quantizes the fp32 export (choose one)"], lines
+    assert not list(tmp_path.iterdir())
+
+
+def test_quantizing_twice_is_refused(int8_of, tmp_path):
+    _, dst = int8_of("mha")
+    with pytest.raises(ValueError, match="is int8: int8 quantizes an fp32 export"):
+        quantize_file(dst, tmp_path / "again.onnx")
