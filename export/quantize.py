@@ -119,17 +119,43 @@ class _Rewriter:
         return True
 
 
+def decision_inputs(graph: onnx.GraphProto) -> set[str]:
+    """Outputs of the MatMul/Gemm nodes nearest upstream of a discrete decision: an ``ArgMax`` or an
+    attnx custom op (MAW's depth choice, SMAL's distances). Those stay float: quantisation noise of
+    a few 1e-2 flips a choice whose margin is that small, and a flipped depth is a different model,
+    not a slightly noisier one. Walks back through every other op, stopping at the first MatMul/Gemm."""
+    from attnx.contract import DOMAIN
+
+    producer = {o: n for n in graph.node for o in n.output}
+    keep: set[str] = set()
+    seen: set[int] = set()
+    stack = [n for n in graph.node if n.domain == DOMAIN or n.op_type == "ArgMax"]
+    while stack:
+        node = stack.pop()
+        for name in node.input:
+            src = producer.get(name)
+            if src is None or id(src) in seen:
+                continue
+            seen.add(id(src))
+            if src.op_type in QUANT_OPS:
+                keep.add(src.output[0])
+            else:
+                stack.append(src)
+    return keep
+
+
 def quantize_int8(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
     """An int8 copy of an fp32 ``model`` (see the module doc) and the number of MatMul/Gemm quantized;
-    nodes named in ``exclude`` stay float. Metadata, functions and opsets are kept; the caller marks
-    the precision."""
+    nodes named in ``exclude`` and those feeding a decision (:func:`decision_inputs`) stay float.
+    Metadata, functions and opsets are kept; the caller marks the precision."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
     rw = _Rewriter(graph)
+    keep_float = decision_inputs(graph)
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        if node.name in exclude or not rw.rewrite(node, nodes):
+        if node.name in exclude or (node.output and node.output[0] in keep_float) or not rw.rewrite(node, nodes):
             nodes.append(node)
     if rw.count == 0:
         raise ValueError("nothing to quantize: the model has no MatMul/Gemm with a float32 constant weight "

@@ -321,7 +321,7 @@ SPEC = register(VariantSpec(
     attention=MawAttention,
     extra_outputs=(ExtraOutput("maw_depth", ("batch",), "int64", read=lambda attn: attn.last_depth,
                                doc="depth chosen by the last maw layer", margin=_policy_margin,
-                               tie_margin={"fp32": 1e-4, "fp16": 2e-2}),),
+                               tie_margin={"fp32": 1e-4, "fp16": 2e-2, "int8": 1e-1}),),
     custom_ops=(
         CustomOp("MawDepthGather", _gather_schema, _gather_function, torch_op=torch.ops.attnx.maw_depth_gather.default,
                  plugin=_gather_plugin, doc="the selected depth's query/key columns"),

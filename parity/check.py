@@ -281,7 +281,7 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
         runner_info.append({"name": "tensorrt", "kind": "tensorrt", "path": str(engine), "ran": engine_info["ran"],
                             **({"reason": engine_info["reason"]} if not engine_info["ran"] else {})})
 
-    margins = tie_margins(model, "fp16" if precision == "int8" else precision)  # int8 flips near-ties as fp16 does
+    margins = tie_margins(model, precision)
     tracker = TieTracker(margins, main_outputs(info.outputs))
     step("run")
     try:

@@ -161,3 +161,24 @@ def test_quantizing_twice_is_refused(int8_of, tmp_path):
     _, dst = int8_of("mha")
     with pytest.raises(ValueError, match="is int8: int8 quantizes an fp32 export"):
         quantize_file(dst, tmp_path / "again.onnx")
+
+
+def test_matmuls_feeding_a_decision_stay_float_and_maw_int8_passes_check(exported, tmp_path):
+    """MAW's depth is an argmax: quantising the projections that feed it flipped depths at clear
+    margins (a different model), so those MatMuls stay float and ``attnx check`` passes on int8."""
+    from attnx.export.quantize import decision_inputs
+
+    src = exported("maw").path
+    dst = tmp_path / "maw-int8.onnx"
+    count = quantize_file(src, dst)
+    fp32 = onnx.load(str(src))
+    keep = decision_inputs(fp32.graph)
+    gather = [n for n in fp32.graph.node if n.domain == DOMAIN]
+    assert gather and keep and count > 0
+    q8 = onnx.load(str(dst))
+    produced_by = {o: n.op_type for n in q8.graph.node for o in n.output}
+    assert all(produced_by[name] in ("MatMul", "Gemm") for name in keep)  # still float
+    assert sum(t == "MatMulIntegerToFloat" for t in produced_by.values()) == count
+    (tmp_path / src.with_suffix(".safetensors").name).write_bytes(src.with_suffix(".safetensors").read_bytes())
+    report = parity.run_check(dst, workdir=tmp_path / "parity")
+    assert report.passed, report.mismatches()

@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest_runtime import running_server, triton_infer  # noqa: E402
 
-import toy_variant  # noqa: E402,F401  (registers "toy")
 from attnx.models import build_encoder, get_spec, reference, variant_names  # noqa: E402
+from attnx.models.spec import unregister  # noqa: E402
 
 TESTS = Path(__file__).parent
 SMALL = ["--set", "d_model=32", "--set", "n_heads=4"]
@@ -38,7 +38,20 @@ def attnx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=env, cwd=cwd, timeout=600)
 
 
-def test_registered_in_process_and_equal_to_mha_at_temperature_one():
+@pytest.fixture(scope="module", autouse=True)
+def toy_variant():
+    """Registered for this module only: other tests list the registry and must not see it."""
+    import importlib
+
+    import toy_variant as module
+
+    if "toy" not in variant_names():
+        module = importlib.reload(module)  # registering happens at import
+    yield module
+    unregister("toy")
+
+
+def test_registered_in_process_and_equal_to_mha_at_temperature_one(toy_variant):
     assert "toy" in variant_names() and get_spec("toy").attention is toy_variant.TemperatureAttention
     toy = build_encoder("toy", d_model=32, n_heads=4, n_layers=2)
     mha = build_encoder("mha", d_model=32, n_heads=4, n_layers=2)
