@@ -38,22 +38,9 @@ def export_default_maw(folder: Path) -> tuple[Path, str]:
 
 
 def _merge(parts: list, label: str):
-    """One result from interleaved rounds: summed counts and time, pooled latencies."""
-    from attnx.deploy.loadtest import LoadResult
+    from attnx.deploy.loadtest import merge_results
 
-    total = LoadResult(label, parts[0].concurrency, sum(p.duration_s for p in parts))
-    rows = batches = 0.0
-    for p in parts:
-        total.ok += p.ok
-        total.rows += p.rows
-        total.tokens += p.tokens
-        total.errors.update(p.errors)
-        total.latencies_s.extend(p.latencies_s)
-        if p.mean_batch_rows:
-            batches += p.rows / p.mean_batch_rows
-            rows += p.rows
-    total.mean_batch_rows = rows / batches if batches else None
-    return total
+    return merge_results(parts, label)
 
 
 class InProcess:

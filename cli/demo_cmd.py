@@ -53,14 +53,26 @@ def _size(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
+def _default_variant() -> str:
+    """The variant the real-model demo places by default, read from the specs: the last registered one
+    that replaces the attention of every layer and lowers to a custom op, so the engine shows plugin
+    layers."""
+    from attnx.models.spec import all_specs
+
+    fits = [s.name for s in all_specs() if s.custom_ops and s.placement.default == "replace"]
+    if not fits:
+        raise UserError("no registered variant replaces attention with a custom op: pass --variants")
+    return fits[-1]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("demo")
     @guarded
     def demo(
         wd: Path = typer.Option(Path("attnx-out"), "--workdir", help="Working folder for every output."),
         variants: List[str] = typer.Option([], "--variants", help="Variants (comma-separated or repeated): placed "
-                                           "in MiniLM beside plain mha (default smal); with --toy, the encoders "
-                                           "to run (default: all)."),
+                                           "in MiniLM beside plain mha (default: the last registered variant "
+                                           "with a custom op); with --toy, the encoders to run (default: all)."),
         sets: List[str] = typer.Option([], "--set", help="Variant option key=value (see `attnx variants`); with "
                                        "--toy for every encoder (default d_model 256, 4 heads, 2 layers)."),
         target: Optional[str] = typer.Option(None, "--target", help="Engine target (default: the local GPU, "
@@ -88,7 +100,7 @@ def register(app: typer.Typer) -> None:
             return _toy(wd, names or list(VARIANTS), sets, target)
         from attnx.cli import demo_minilm
 
-        names = list(dict.fromkeys(["mha", *(names or ["smal"])]))  # plain mha first, always
+        names = list(dict.fromkeys(["mha", *(names or [_default_variant()])]))  # plain mha first, always
         if any(not q.strip() for q in queries):
             raise UserError("--query: a query must not be empty")
         options = {v: parse_sets(v, sets) for v in names if v != "mha" or len(names) == 1} if sets else {}

@@ -161,3 +161,13 @@ def test_demo_bad_options_are_one_line(tmp_path, args, words):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and words in errors[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_the_default_placed_variant_is_read_from_the_specs():
+    """The demo names no variant: it places one that replaces attention and lowers to a custom op,
+    so the engine it builds shows plugin layers."""
+    from attnx.cli.demo_cmd import _default_variant
+    from attnx.models import get_spec
+
+    spec = get_spec(_default_variant())
+    assert spec.custom_ops and spec.placement.default == "replace"
