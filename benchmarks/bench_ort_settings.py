@@ -33,6 +33,7 @@ SETTINGS = {  # name -> OrtOptions overrides (one change each)
     "arena=off": {"arena": False},
     "mem_pattern=off": {"mem_pattern": False},
     "inter_threads=2 (parallel)": {"inter_threads": 2},
+    "SkipLayerNormFusion on": {"disabled_optimizers": ()},
 }
 
 

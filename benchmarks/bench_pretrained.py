@@ -4,7 +4,8 @@ Contenders, all on the CPU, fp32, timed in this one process in interleaved round
 once per round, so background load hits them alike), ONNX Runtime sessions with the same
 ``intra_op_num_threads`` and ``torch.set_num_threads`` equal to it:
 
-- ``attnx mha``: ``attnx export --from-pretrained`` of the folder (plugin lowering, the default);
+- ``attnx mha``: ``attnx export --from-pretrained`` of the folder (plugin lowering, the default),
+  and ``attnx mha unfused``: the same without :mod:`attnx.export.fuse` (packed Q/K/V, 3-D attention);
 - ``optimum``: Optimum's ONNX export of the same folder (``optimum-cli export onnx --task
   feature-extraction``, optimum-onnx), and ``optimum + ort-opt``: that file after
   ``onnxruntime.transformers.optimizer.optimize_model(model_type="bert")`` (fused Attention,
@@ -18,6 +19,10 @@ Every ONNX contender is asked for ``last_hidden_state`` only (Optimum's export h
 transformers model returns it too). Optimum pins its own transformers, so it lives in its own
 virtual environment (``--optimum-venv``, created there with pip on first use) and only its export
 runs there, in a subprocess; the optimizer runs here, with the ONNX Runtime that times the file.
+
+``GEMM GFLOP x mha``: a variant's weight-GEMM arithmetic against mha's (its extra projections: a
+slowdown near this ratio is arithmetic, not overhead); ``GEMM GFLOP/s``: that arithmetic per second
+(near the CPU's FMA peak, no graph can be much faster).
 
 Ratios: ``optimum / attnx`` etc. are speed-ups of attnx's export (goal >= 1.0 against
 Optimum + optimizer, >= 2.0 against transformers eager); ``variant / mha`` is a slowdown (goal
@@ -41,11 +46,14 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import torch
+
+# torch's OpenMP threads must not busy-wait after eager runs either (set before torch loads OpenMP)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 from rich.console import Console
 from rich.table import Table
 
-VARIANTS = ["cultural", "metaphor", "maw", "smal"]
+UNFUSED = "mha unfused"  # the same export without attnx.export.fuse: what the fusions are worth
 OPTIMUM_VENV = Path.home() / ".cache" / "attnx-bench" / "optimum-venv"
 # torch from the machine's own wheel where there is one; optimum-onnx brings its own transformers.
 OPTIMUM_PACKAGES = ["optimum-onnx", "onnxruntime"]
@@ -66,17 +74,18 @@ def export_attnx(folder: Path, variants: list[str]) -> dict[str, tuple[Path, obj
     from attnx.pretrained import load, minilm_path
 
     out = {}
-    for variant in ["mha", *variants]:
+    for name in ["mha", UNFUSED, *variants]:
+        variant, fuse = ("mha", False) if name == UNFUSED else (name, True)
         lowering = "plugin" if variant == "mha" else "rewrite"
-        path = folder / f"attnx-{variant}-{lowering}.onnx"
+        path = folder / f"attnx-{variant}-{lowering}{'' if fuse else '-unfused'}.onnx"
         if path.is_file():
-            out[variant] = (path, load(minilm_path(), variant))
+            out[name] = (path, load(minilm_path(), variant))
             continue
-        _log(f"exporting attnx {variant} ({lowering} lowering)...")
+        _log(f"exporting attnx {name} ({lowering} lowering)...")
         t = time.perf_counter()
-        res = export_pretrained(minilm_path(), path, variant=variant, lowering=lowering)
+        res = export_pretrained(minilm_path(), path, variant=variant, lowering=lowering, fuse=fuse)
         _log(f"  {time.perf_counter() - t:.0f}s")
-        out[variant] = (res.path, res.model)
+        out[name] = (res.path, res.model)
     return out
 
 
@@ -151,9 +160,14 @@ def real_ids(batch: int, seq: int) -> np.ndarray:
 
 
 def ort_contender(path: Path, feeds: dict, threads: int):
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    """Every ONNX file in the same session settings: attnx.runtime's (``OrtOptions``). Among them, no
+    busy-waiting pool threads: with spinning on, the threads of the contender that just ran keep the
+    cores busy while the next one runs, and on a small machine that, not the graph, decides the ratios
+    (measured: 1x128 took 60 ms instead of 28 ms); and no SkipLayerNormFusion (a no-op for the Optimum
+    + optimizer file, whose SkipLayerNormalization nodes are in the file already)."""
+    from attnx.runtime.backends.onnxrt import OrtOptions
+
+    sess = OrtOptions(device="cpu", threads=threads).inference_session(path)
     names = {i.name for i in sess.get_inputs()}
     missing = names - set(feeds)
     if missing:
@@ -186,6 +200,32 @@ def time_interleaved(contenders: dict, rounds: int, runs: int) -> dict[str, floa
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def gemm_gflop(path: Path, tokens: int) -> float:
+    """GFLOP of the file's weight GEMMs for ``tokens`` tokens: 2 K N per token for every MatMul/Gemm
+    with a constant 2-D weight (attention's own L^2 products, ~5% at L = 128, not counted). Tells a
+    slow graph from one that simply has more arithmetic to do (a variant's extra projections)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    total = sum(2 * dims[n.input[1]][0] * dims[n.input[1]][1] for n in model.graph.node
+                if n.op_type in ("MatMul", "Gemm") and len(dims.get(n.input[1], [])) == 2)
+    return total * tokens / 1e9
+
+
+def gemm_peak_gflops(tokens: int, d: int = 384, ff: int = 1536, seconds: float = 1.0) -> float:
+    """This CPU's fp32 GEMM rate at the model's FFN shape (``[tokens, d] @ [d, ff]``, torch, the same
+    threads): no graph's weight GEMMs run faster, which caps any speed-up over eager."""
+    a, b = torch.randn(tokens, d), torch.randn(d, ff)
+    for _ in range(3):
+        a @ b
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        calls += 1
+    return 2 * tokens * d * ff * calls / (time.perf_counter() - start) / 1e9
+
+
 def check_outputs(contenders: dict, reference: str, atol: float = 2e-3) -> dict[str, float]:
     """Max abs difference of each contender's last_hidden_state from ``reference``'s: the timed files
     compute the same thing (variants at neutral values equal the original model too)."""
@@ -202,15 +242,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--runs", type=int, default=3, help="calls per contender per round")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--variants", nargs="*", default=VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=None, help="default: every registered variant")
     ap.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) the exports here")
     ap.add_argument("--optimum-venv", type=Path, default=OPTIMUM_VENV)
     ap.add_argument("--no-optimum", action="store_true")
     ap.add_argument("--no-optimum-setup", action="store_true", help="do not create the Optimum venv")
-    ap.add_argument("--quick", action="store_true", help="1x128 only, 3 rounds, smal only")
+    ap.add_argument("--quick", action="store_true", help="1x128 only, 3 rounds, one variant (the last registered)")
     args = ap.parse_args()
+    if args.variants is None:
+        from attnx.models.spec import all_specs
+
+        args.variants = [s.name for s in all_specs() if s.name != "mha"]
     if args.quick:
-        args.shapes, args.rounds, args.variants = ["1x128"], 3, ["smal"]
+        args.shapes, args.rounds, args.variants = ["1x128"], 3, args.variants[-1:]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     import transformers
@@ -256,7 +300,10 @@ def main() -> None:
         contenders["transformers eager"] = eager
         diffs = check_outputs(contenders, "transformers eager")
         _log(f"{shape}: timing {len(contenders)} contenders, {args.rounds} rounds x {args.runs} calls...")
-        results[shape] = (time_interleaved(contenders, args.rounds, args.runs), diffs)
+        gflop = {f"attnx {name}": gemm_gflop(path, batch * seq) for name, (path, _) in attnx_files.items()}
+        gflop.update({name: gflop["attnx mha"] for name in contenders if name not in gflop})  # the same model
+        results[shape] = (time_interleaved(contenders, args.rounds, args.runs), diffs, gflop,
+                          gemm_peak_gflops(batch * seq))
 
     render(results, args, optimum_note)
     if tmp is not None:
@@ -265,22 +312,29 @@ def main() -> None:
 
 def render(results: dict, args, optimum_note: str) -> None:
     goals = []
-    for shape, (ms, diffs) in results.items():
+    for shape, (ms, diffs, gflop, peak) in results.items():
         base = ms["attnx mha"]
         table = Table(title=f"all-MiniLM-L6-v2, {shape} tokens, fp32 CPU, {args.threads} threads, median of "
                             f"{args.rounds} interleaved rounds", title_justify="left")
-        for col in ("contender", "ms", "attnx mha speed-up", "x attnx mha", "max |diff| vs transformers"):
+        for col in ("contender", "ms", "attnx mha speed-up", "x attnx mha", "GEMM GFLOP x mha", "GEMM GFLOP/s",
+                    "max |diff| vs transformers"):
             table.add_column(col, justify="left" if col == "contender" else "right")
         for name, t in ms.items():
             speedup = f"{t / base:.2f}" if not name.startswith("attnx") else ""
             slowdown = f"{t / base:.2f}" if name.startswith("attnx") and name != "attnx mha" else ""
-            table.add_row(name, f"{t * 1e3:.2f}", speedup, slowdown, f"{diffs[name]:.1e}")
+            work = f"{gflop[name] / gflop['attnx mha']:.2f}" if slowdown else ""
+            table.add_row(name, f"{t * 1e3:.2f}", speedup, slowdown, work, f"{gflop[name] / t:.0f}", f"{diffs[name]:.1e}")
         console.print(table)
+        if "transformers eager" in ms:
+            eager_rate = gflop["transformers eager"] / ms["transformers eager"]
+            console.print(f"fp32 GEMM peak here ({shape}, FFN shape, torch): {peak:.0f} GFLOP/s; eager runs its GEMMs "
+                          f"at {eager_rate:.0f}, so no fp32 graph can be more than {peak / eager_rate:.2f}x faster "
+                          "than eager at this shape", highlight=False)
         for name, goal, op in (("optimum + ort-opt", 1.0, ">="), ("transformers eager", 2.0, ">=")):
             if name in ms:
                 goals.append((shape, f"attnx mha vs {name}", ms[name] / base, op, goal))
         for name in ms:
-            if name.startswith("attnx ") and name != "attnx mha":
+            if name.startswith("attnx ") and name not in ("attnx mha", f"attnx {UNFUSED}"):
                 goals.append((shape, f"{name} vs attnx mha", ms[name] / base, "<=", 1.3))
     table = Table(title="goals (issue 11, item 6)", title_justify="left")
     for col in ("shape", "ratio", "value", "goal", "met"):

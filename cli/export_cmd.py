@@ -98,7 +98,10 @@ def register(app: typer.Typer) -> None:
         lowering: str = typer.Option("plugin", "--lowering", help="plugin (custom ops) | rewrite (standard ops only)"),
         fp16: bool = typer.Option(False, "--fp16", help="fp16 weights/activations; softmax, LayerNorm, reductions in fp32."),
         int8: bool = typer.Option(False, "--int8", help="CPU int8: MatMul/Gemm weights int8, activations quantized "
-                                  "per token at run time; softmax, LayerNorm and custom ops stay float."),
+                                  "per token at run time (smoothed, calibrated on built-in sentences); softmax, "
+                                  "LayerNorm and custom ops stay float."),
+        no_fuse: bool = typer.Option(False, "--no-fuse", help="Skip the exact graph fusions (packed Q/K/V, 3-D "
+                                     "attention), e.g. to compare against them."),
         sets: List[str] = typer.Option([], "--set", help="Config option key=value (repeatable); see `attnx variants`."),
         checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="safetensors weights to load (with "
                                                   "--from-pretrained: the placed variant's trained parameters)."),
@@ -171,7 +174,8 @@ def register(app: typer.Typer) -> None:
                 result = export_pretrained(pretrained, output, variant=variant, layers=parse_layers(layers_replaced),
                                            append=append, options=options, checkpoint=checkpoint, lowering=lowering,
                                            fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step,
-                                           attention_outputs=attention_outputs, head_mask=head_mask)
+                                           attention_outputs=attention_outputs, head_mask=head_mask,
+                                           fuse=not no_fuse)
             else:
                 if layers is not None and layers < 1:
                     raise UserError(f"--layers must be >= 1, got {layers}")
@@ -179,7 +183,8 @@ def register(app: typer.Typer) -> None:
                 path = output or default_path(variant, lowering, fp16, workdir())
                 result = export_variant(variant, path, overrides=overrides, n_layers=layers, lowering=lowering,
                                         fp16=fp16, checkpoint=checkpoint, opset=opset, seed=seed, profiles=profiles,
-                                        progress=step, attention_outputs=attention_outputs, head_mask=head_mask)
+                                        progress=step, attention_outputs=attention_outputs, head_mask=head_mask,
+                                        fuse=not no_fuse)
             if int8:
                 from attnx.export.quantize import quantize_file
 

@@ -30,6 +30,7 @@ import torch
 
 import attnx
 from attnx.contract import DEFAULT_PROFILES, IR_VERSION, MIN_OPSET, ONNX_OPSET, ModelInfo, TensorEntry, check_profiles
+from attnx.export import fuse as fusions
 from attnx.export import ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
 from attnx.export.checkpoint import load_checkpoint, save_checkpoint
@@ -133,8 +134,9 @@ def _name_dynamic_dims(model: onnx.ModelProto, specs: dict[str, tuple]) -> None:
                 d.dim_value = want
 
 
-def _optimise(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Fold constants and drop dead nodes (graphsurgeon), keeping the custom-op functions."""
+def _optimise(model: onnx.ModelProto, fuse: bool = True) -> onnx.ModelProto:
+    """Fold constants and drop dead nodes (graphsurgeon), then the exact fusions of
+    :mod:`attnx.export.fuse`, keeping the custom-op functions."""
     import onnx_graphsurgeon as gs
 
     functions = list(model.functions)
@@ -142,12 +144,25 @@ def _optimise(model: onnx.ModelProto) -> onnx.ModelProto:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
+        if fuse:
+            graph = gs.import_onnx(_with_shapes(gs.export_onnx(graph), functions))  # patterns read shapes
+            fusions.fuse(graph)
     out = gs.export_onnx(graph)
     out.ir_version = model.ir_version
     del out.functions[:]
     out.functions.extend(functions)
     out.metadata_props.extend(model.metadata_props)
     return out
+
+
+def _with_shapes(model: onnx.ModelProto, functions) -> onnx.ModelProto:
+    """Shape-inferred copy, the custom ops' functions attached so their outputs get shapes (the model
+    itself when it is too large to infer in memory: shape patterns then do not match)."""
+    if _initializer_bytes(model) > _EXTERNAL_DATA_BYTES:
+        return model
+    del model.functions[:]
+    model.functions.extend(functions)
+    return onnx.shape_inference.infer_shapes(model, data_prop=True)
 
 
 def _check(model: onnx.ModelProto, path_for_large: Path | None = None) -> None:
@@ -207,8 +222,11 @@ def default_path(variant: str, lowering: str = "plugin", fp16: bool = False, fol
 def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: bool = False,
                    opset: int = ONNX_OPSET, profiles: dict | None = None, save_weights: bool = True,
                    progress: Callable[[str], None] | None = None, tokenizer: dict | None = None,
-                   attention_outputs=None, head_mask: bool = False) -> ExportResult:
+                   attention_outputs=None, head_mask: bool = False, fuse: bool = True) -> ExportResult:
     """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``.
+
+    ``fuse``: the exact standard-ONNX fusions of :mod:`attnx.export.fuse` (packed Q/K/V, 3-D
+    attention); off only to compare against the unfused graph.
 
     ``tokenizer``: the text metadata of a model whose tokenizer files travel beside it.
     ``attention_outputs`` (``"all"`` or layer indices) adds outputs ``attentions.{i}``, ``head_mask``
@@ -253,7 +271,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     proto = ops.attach_functions(proto)
     if lowering == "rewrite":
         proto = ops.inline_functions(proto)
-    proto = _optimise(proto)
+    proto = _optimise(proto, fuse=fuse)
     _name_dynamic_dims(proto, {s.name: s.shape for s in [*inputs, *outputs]})
     if fp16:
         proto = to_fp16(proto)
@@ -287,7 +305,7 @@ def export_variant(variant: str, path: str | Path | None = None, *, overrides: d
                    n_layers: int | None = None, lowering: str = "plugin", fp16: bool = False,
                    checkpoint: str | Path | None = None, opset: int = ONNX_OPSET, seed: int = 0,
                    profiles: dict | None = None, progress: Callable[[str], None] | None = None,
-                   attention_outputs=None, head_mask: bool = False) -> ExportResult:
+                   attention_outputs=None, head_mask: bool = False, fuse: bool = True) -> ExportResult:
     """Build ``variant`` (small default config + ``overrides``, seeded weights or ``checkpoint``) and export it."""
     options = {**DEFAULT_OPTIONS, **(overrides or {})}
     if n_layers is not None:
@@ -297,4 +315,4 @@ def export_variant(variant: str, path: str | Path | None = None, *, overrides: d
         load_checkpoint(model, checkpoint)
     path = Path(path) if path is not None else default_path(variant, lowering, fp16)
     return export_encoder(model, path, lowering=lowering, fp16=fp16, opset=opset, profiles=profiles,
-                          progress=progress, attention_outputs=attention_outputs, head_mask=head_mask)
+                          progress=progress, attention_outputs=attention_outputs, head_mask=head_mask, fuse=fuse)

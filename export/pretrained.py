@@ -60,7 +60,7 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str = 
                       append: int | None = None, options: dict | None = None, checkpoint=None,
                       lowering: str = "plugin", fp16: bool = False, profiles: dict | None = None,
                       folder_out: str | Path = "attnx-out", attention_outputs=None, head_mask: bool = False,
-                      progress: Callable[[str], None] | None = None) -> ExportResult:
+                      progress: Callable[[str], None] | None = None, fuse: bool = True) -> ExportResult:
     """Load ``source`` (a folder path) with ``variant`` placed in it and export it (see module doc)."""
     from attnx import pretrained
 
@@ -86,7 +86,8 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str = 
         tokenizer = tokenizer_info(folder, max_length, tok_dir.name)
     try:
         result = export_encoder(host, path, lowering=lowering, fp16=fp16, profiles=profiles, progress=progress,
-                                tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask)
+                                tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
+                                fuse=fuse)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

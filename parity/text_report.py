@@ -42,7 +42,7 @@ from attnx.parity.report import _json_float, _polygraphy_version
 
 FP32_ATOL = 1e-4
 FLOOR_FACTOR = 10.0
-COSINE = {"fp16": 0.999, "int8": 0.98}  # int8: 0.983 on "Ok." (2 of its 4 tokens are [CLS]/[SEP]); docs/performance.md
+COSINE = {"fp16": 0.999, "int8": 0.99}  # int8 with smoothing: worst built-in sentence 0.995 ("Ok."); docs/performance.md
 #: Unnormalised next-token scores: fp32 bound relative to their size, top-1 agreement reported.
 SCORE_OUTPUTS = ("logits",)
 SENTENCE_OUTPUT = "sentence_embedding"

@@ -23,3 +23,31 @@ SENTENCES: tuple[str, ...] = (
 #: A small retrieval set: queries and the corpus they search (the demo's semantic search).
 QUERIES: tuple[str, ...] = ("How do plants make energy from sunlight?", "What is a good place to catch a train?",
                             "Who is making music outdoors?")
+
+#: Calibration text for ``attnx export --int8`` (per-channel activation ranges for smoothing): real
+#: sentences of every length, none of them in :data:`SENTENCES`, so the check measures held-out text.
+CALIBRATION: tuple[str, ...] = (
+    "Yes.",
+    "Thanks a lot!",
+    "No way.",
+    "Good morning, everyone.",
+    "Could you pass me the salt, please?",
+    "The dog chased the ball across the yard.",
+    "Two women are walking along the beach at sunset.",
+    "I would like to book a table for four at eight o'clock tonight.",
+    "The museum will be closed on Monday for maintenance of its heating system.",
+    "Heavy rain caused flooding in several low-lying neighbourhoods, and the city opened emergency shelters.",
+    "Vaccines train the immune system to recognise a pathogen without causing the disease itself.",
+    "The startup raised forty million dollars to expand its battery recycling plants across Europe.",
+    "He practised the violin every evening, hoping to pass the conservatory audition in the spring.",
+    "Neural networks learn representations by adjusting millions of weights to reduce a loss on training "
+    "examples, and regularisation keeps them from memorising noise.",
+    "The recipe calls for two cups of flour, a pinch of salt, three eggs and a generous spoon of butter, "
+    "mixed slowly until the dough no longer sticks to the bowl.",
+    "Astronomers detected water vapour in the atmosphere of a distant exoplanet, raising new questions "
+    "about how common habitable worlds might be. Follow-up observations with larger telescopes are "
+    "planned for next year, when the planet passes in front of its star again and its light can be "
+    "split into a spectrum fine enough to tell clouds from haze.",
+    "Why?",
+    "See you tomorrow.",
+)

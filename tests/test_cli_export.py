@@ -33,6 +33,17 @@ def test_export_defaults_writes_under_workdir(tmp_path):
     assert info["parameters"] > 10_000
 
 
+def test_export_fuses_by_default_and_no_fuse_keeps_the_traced_graph(tmp_path):
+    ops = {}
+    for name, extra in (("fused", []), ("plain", ["--no-fuse"])):
+        out = tmp_path / f"{name}.onnx"
+        proc = attnx("export", "--variant", "mha", "--set", "d_model=32", "-o", str(out), *extra)
+        assert proc.returncode == 0, proc.stderr
+        ops[name] = [n.op_type for n in onnx.load(str(out)).graph.node]
+    assert ops["fused"].count("Split") == 2 and ops["fused"].count("Transpose") == 0  # packed q|k|v, 3-D attention
+    assert ops["plain"].count("Split") == 0 and ops["plain"].count("Transpose") > 0
+
+
 def test_export_flags(tmp_path):
     out = tmp_path / "s.onnx"
     proc = attnx("export", "--variant", "smal", "-o", str(out), "--lowering", "rewrite", "--fp16", "--layers", "3",

@@ -81,14 +81,22 @@ def test_int8_file_has_integer_matmuls_and_float_softmax_layernorm(int8_of):
     inits = {t.name: t for t in model.graph.initializer}
     weight_matmuls = [n for n in fp32.graph.node if n.op_type == "MatMul" and n.input[1] in
                       {t.name for t in fp32.graph.initializer}]
-    assert ops.count("MatMulIntegerToFloat") == len(weight_matmuls) == 36  # 6 layers x (q, k, v, o, ffn in, out)
-    assert ops.count("QuantizeLinear") == 24  # q, k, v share their input's quantization
+    # 6 layers x (packed q|k|v, o, ffn in, ffn out): one quantized input each
+    assert ops.count("MatMulIntegerToFloat") == len(weight_matmuls) == 24
+    assert ops.count("QuantizeLinear") == 24
+    # smoothing: every quantized input is divided by its channel scales, folded into a LayerNorm or a
+    # Mul (post-LN BERT: each LayerNorm also feeds a residual, so all 24 are Muls)
+    smoothed_ln = [n for n in model.graph.node if n.op_type == "LayerNormalization" and "__smooth_" in n.input[1]]
+    smoothing_muls = [n for n in model.graph.node if n.op_type == "Mul" and n.name.endswith("__smooth")]
+    assert len(smoothed_ln) + len(smoothing_muls) == 24
     assert not [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in inits]
     producers = {o: n for n in model.graph.node for o in n.output}
     for n in model.graph.node:
         if n.op_type == "MatMulIntegerToFloat":
             assert n.domain == "com.microsoft"
-            assert inits[n.input[1]].data_type == onnx.TensorProto.UINT8  # int8 weights (stored around 128)
+            w = inits[n.input[1]]
+            assert w.data_type == onnx.TensorProto.INT8  # int8 weights, 7-bit range (no AVX2 saturation)
+            assert np.abs(numpy_helper.to_array(w)).max() <= 63
             assert producers[n.input[0]].op_type == "QuantizeLinear"  # int8 activations
     # LayerNorm and attention are untouched: same count, float weights
     for op in ("LayerNormalization", "Attention", "Gelu"):
@@ -182,3 +190,25 @@ def test_matmuls_feeding_a_decision_stay_float_and_maw_int8_passes_check(exporte
     (tmp_path / src.with_suffix(".safetensors").name).write_bytes(src.with_suffix(".safetensors").read_bytes())
     report = parity.run_check(dst, workdir=tmp_path / "parity")
     assert report.passed, report.mismatches()
+
+
+def test_gemm_with_bias_quantizes_to_the_float_result():
+    """A Gemm's bias stays a separate Add (ORT's fused bias is wrong with per-row activation scales)."""
+    from onnx import TensorProto, helper
+
+    from attnx.export.quantize import quantize_int8
+
+    rng = np.random.default_rng(0)
+    w, b = rng.normal(0, 0.2, (16, 8)).astype(np.float32), rng.normal(0, 1, 8).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="g")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 8])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    q, count = quantize_int8(model)
+    assert count == 1 and [n.op_type for n in q.graph.node][-2:] == ["MatMulIntegerToFloat", "Add"]
+    import onnxruntime as ort
+
+    x = rng.normal(0, 1, (5, 16)).astype(np.float32)
+    y = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(y, x @ w + b, atol=0.05)  # int8 error, not a misplaced bias (~1)
