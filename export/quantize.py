@@ -225,8 +225,10 @@ def smooth(model: onnx.ModelProto, feeds: list[dict], exclude=(), alpha: float =
         w_max = np.max([np.abs(w).max(axis=1) for w in weights], axis=0)
         s = np.maximum(amax[x], 1e-5) ** alpha / np.maximum(w_max, 1e-5) ** (1 - alpha)
         s = np.clip(s, 1e-2, 1e2).astype(np.float32)  # dead channels and zero rows stay sane
-        for n, w in zip(nodes, weights):
-            inits[n.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), n.input[1]))
+        for n, w in zip(nodes, weights):  # a new initializer: the weight may be shared (a tied embedding)
+            scaled = f"{n.input[1]}__smooth_{x}"
+            graph.initializer.append(numpy_helper.from_array((w * s[:, None]).astype(np.float32), scaled))
+            n.input[1] = scaled
         src = producer.get(x)
         foldable = (src is not None and src.op_type == "LayerNormalization" and src.domain in ("", "ai.onnx")
                     and len(src.output) == 1 and readers.get(x, 0) == len(nodes) and x not in graph_outputs

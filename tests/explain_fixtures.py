@@ -60,11 +60,11 @@ def ablate_columns(linear: torch.nn.Linear, head: int, head_dim: int) -> None:
 
 
 def ort_session(path):
-    import onnxruntime as ort
+    """The session a served model runs (attnx.runtime's settings), so served and direct results agree
+    to the bit rather than to ORT's per-fusion rounding."""
+    from attnx.runtime.backends.onnxrt import OrtOptions
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return OrtOptions(device="cpu").inference_session(path)
 
 
 def ort_run(path, feeds: dict, outputs=None) -> dict[str, np.ndarray]:
