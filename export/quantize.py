@@ -294,8 +294,14 @@ def calibration_feeds(path, info) -> list[dict]:
 
     specs = [TensorSpec(e.name, np.dtype(e.dtype), tuple(e.shape), e.role, e.range) for e in info.inputs]
     rng = np.random.default_rng(0)
-    if not info.tokenizer:
-        return [synthetic_feeds(specs, 2, 16 * (1 + i), rng) for i in range(8)]
+    if not info.tokenizer:  # synthetic batches; token ids drawn over the whole vocabulary
+        seq_max = int((info.profiles or {}).get("seq", (1, 1, 128))[2])  # a model's positions cap it
+        feeds = [synthetic_feeds(specs, 2, min(16 * (1 + i), seq_max), rng) for i in range(8)]
+        for feed in feeds:
+            for spec in specs:
+                if spec.role == Role.INPUT_IDS and spec.range is not None:
+                    feed[spec.name] = rng.integers(*spec.range, size=feed[spec.name].shape).astype(spec.dtype)
+        return feeds
     from attnx.parity.text_cases import ExportTokenizer
     from attnx.pretrained.sentences import CALIBRATION
 

@@ -212,3 +212,35 @@ def test_gemm_with_bias_quantizes_to_the_float_result():
     x = rng.normal(0, 1, (5, 16)).astype(np.float32)
     y = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(y, x @ w + b, atol=0.05)  # int8 error, not a misplaced bias (~1)
+
+
+def test_a_model_without_tokenizer_calibrates_on_synthetic_ids_within_its_positions(tmp_path):
+    """GPT-2 built with transformers' save_pretrained (no tokenizer files, 64 positions): --int8
+    calibrates on random ids no longer than the model's positions and keeps its next-token choices."""
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    from attnx.export.pretrained import export_pretrained
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                                              n_positions=64)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(5.0)  # logits of order 1: top-1 is a real comparison
+    hf.save_pretrained(tmp_path / "gpt2", safe_serialization=True)
+    src = export_pretrained(tmp_path / "gpt2", tmp_path / "g.onnx").path
+    dst = tmp_path / "g-int8.onnx"
+    assert quantize_file(src, dst) == 9  # 2 layers x (q|k|v, o, fc, proj) + the LM head
+    ids = np.random.default_rng(3).integers(0, 100, (4, 64)).astype(np.int64)
+
+    def logits(path):
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return sess.run(["logits"], {i.name: ids if i.name == "input_ids" else np.ones_like(ids)
+                                     for i in sess.get_inputs()})[0]
+
+    want, got = logits(src), logits(dst)
+    assert np.abs(want).max() > 1.0
+    assert (want.argmax(-1) == got.argmax(-1)).mean() >= 0.85
+    assert not np.array_equal(want, got)
