@@ -37,6 +37,20 @@ class _State:
 state = _State()
 
 
+def tensorrt_problem() -> str | None:
+    """Print the TensorRT backend, or why there is none, and return that reason (None: engines can be
+    built). The demos go on without engines when there is a reason."""
+    from attnx import engine as eng
+
+    try:
+        console.print(f"TensorRT backend: {eng.backend().describe()}")
+    except eng.TensorRTError as e:
+        problem = eng.explain(e)
+        err_console.print(f"[yellow]no engines:[/yellow] {escape(problem)}")
+        return problem
+    return None
+
+
 def workdir() -> Path:
     """The working folder for outputs: ``$ATTNX_WORKDIR`` or ``./attnx-out``."""
     return Path(os.environ.get("ATTNX_WORKDIR", "attnx-out"))

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import typer
 
-from attnx.cli._common import UserError, console, err_console, guarded
+from attnx.cli._common import UserError, console, err_console, guarded, tensorrt_problem
 
 
 @dataclass
@@ -130,12 +130,7 @@ def _toy(wd: Path, names: list[str], sets: list[str], target: Optional[str]) -> 
     console.rule(f"attnx demo: {', '.join(names)} -> {escape(str(wd))}/")
 
     # TensorRT and the plugins once, up front: without them the demo still exports and checks.
-    trt_problem = None
-    try:
-        console.print(f"TensorRT backend: {eng.backend().describe()}")
-    except eng.TensorRTError as e:
-        trt_problem = eng.explain(e)
-        err_console.print(f"[yellow]no engines:[/yellow] {escape(trt_problem)}")
+    trt_problem = tensorrt_problem()
     plugin_problem = None
     if trt_problem is None:
         from attnx import plugins as plugin_pkg

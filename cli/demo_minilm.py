@@ -224,7 +224,7 @@ def run(wd: Path, variants: list[str], options: dict[str, dict], target: str | N
     from rich.table import Table
 
     from attnx import engine as eng
-    from attnx.cli._common import console, err_console
+    from attnx.cli._common import console, err_console, tensorrt_problem
     from attnx.cli.engine_cmd import build_engine_cmd, check_cmd
     from attnx.export.pretrained import export_pretrained
     from attnx.pretrained import minilm_path
@@ -237,12 +237,7 @@ def run(wd: Path, variants: list[str], options: dict[str, dict], target: str | N
     console.rule(f"attnx demo: all-MiniLM-L6-v2 with {', '.join(variants)} -> {escape(str(wd))}/")
     console.print(f"weights: {escape(str(source))}", highlight=False)
 
-    trt_problem = None
-    try:
-        console.print(f"TensorRT backend: {eng.backend().describe()}")
-    except eng.TensorRTError as e:
-        trt_problem = eng.explain(e)
-        err_console.print(f"[yellow]no engines:[/yellow] {escape(trt_problem)}")
+    trt_problem = tensorrt_problem()
 
     for m in models:
         t0 = time.monotonic()

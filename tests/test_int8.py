@@ -192,6 +192,14 @@ def test_matmuls_feeding_a_decision_stay_float_and_maw_int8_passes_check(exporte
     assert report.passed, report.mismatches()
 
 
+def test_calibration_text_is_held_out_from_the_checked_text():
+    from attnx.parity.text_cases import default_texts
+    from attnx.pretrained.sentences import CALIBRATION
+
+    checked = " ".join(default_texts())
+    assert len(CALIBRATION) >= 16 and not [t for t in CALIBRATION if t in checked]
+
+
 def test_gemm_with_bias_quantizes_to_the_float_result():
     """A Gemm's bias stays a separate Add (ORT's fused bias is wrong with per-row activation scales)."""
     from onnx import TensorProto, helper

@@ -146,6 +146,32 @@ def test_thread_options_and_devices(maw):
         ort_providers("tpu")
 
 
+def test_disabled_optimizers_reach_onnx_runtime(maw, tmp_path, monkeypatch):
+    """The default skips ORT's SkipLayerNormFusion (slower on CPU, docs/performance.md); ``()`` lets it
+    run. Read from the graph ORT actually optimized, so a dropped argument fails here."""
+    import onnx
+    import onnxruntime as ort
+
+    def fused_ops(options: OrtOptions, name: str) -> set[str]:
+        path = tmp_path / f"{name}.onnx"
+        plain = OrtOptions.session_options
+
+        def saving(self):
+            so = plain(self)
+            so.optimized_model_filepath = str(path)
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # portable file
+            return so
+
+        monkeypatch.setattr(OrtOptions, "session_options", saving)
+        options.inference_session(maw.path)
+        monkeypatch.setattr(OrtOptions, "session_options", plain)
+        return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+    assert OrtOptions().disabled_optimizers == ("SkipLayerNormFusion",)
+    assert "SkipLayerNormalization" not in fused_ops(OrtOptions(device="cpu"), "default")
+    assert "SkipLayerNormalization" in fused_ops(OrtOptions(device="cpu", disabled_optimizers=()), "all")
+
+
 def test_load_refuses_unknown_and_missing_files(tmp_path):
     with pytest.raises(ValueError, match="unknown model type"):
         load(tmp_path / "model.pt")

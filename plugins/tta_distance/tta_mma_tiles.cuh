@@ -195,6 +195,46 @@ __device__ __forceinline__ void mmaSlice(Operands<T> const& s, float (&acc)[2][k
     }
 }
 
+// The rows a prep block works on: blocks [0, blocksQ) tile q's rows, the rest k's, tileRows rows at
+// a time per (batch, head); rows < tileRows on the last tile of a sequence.
+struct PrepTile
+{
+    bool isK;
+    int64_t bh, b, h, row0, L;
+    int rows;
+
+    template <typename T>
+    __device__ __forceinline__ T const* rowsOf(T const* q, T const* k, int64_t Dh) const
+    {
+        return (isK ? k : q) + (bh * L + row0) * Dh;
+    }
+
+    template <typename T> // trace [Bt, Ht, Dh, Dh], Bt and Ht 1 or the full size
+    __device__ __forceinline__ T const* traceOf(T const* trace, int64_t Bt, int64_t Ht, int64_t Dh) const
+    {
+        return trace + ((Bt == 1 ? 0 : b) * Ht + (Ht == 1 ? 0 : h)) * Dh * Dh;
+    }
+};
+
+__device__ __forceinline__ PrepTile prepTile(int64_t blk, int64_t blocksQ, int64_t tilesQ, int64_t tilesK, int64_t Lq,
+    int64_t Lk, int64_t H, int tileRows)
+{
+    PrepTile p;
+    p.isK = blk >= blocksQ;
+    if (p.isK)
+    {
+        blk -= blocksQ;
+    }
+    int64_t const tiles = p.isK ? tilesK : tilesQ;
+    p.bh = blk / tiles;
+    p.row0 = (blk - p.bh * tiles) * tileRows;
+    p.L = p.isK ? Lk : Lq;
+    p.rows = static_cast<int>(p.L - p.row0 < tileRows ? p.L - p.row0 : tileRows);
+    p.b = p.bh / H;
+    p.h = p.bh - p.b * H;
+    return p;
+}
+
 // This thread's place in the block tile: warp row wm (0-3) and column wn (0-1), and its mma
 // fragment coordinates g = lane / 4 (row), t = lane % 4 (column pair).
 struct WarpPos

@@ -32,6 +32,33 @@ struct PrepShared
     float rowPart[2][kRows];    // x . xS over each warp column's 32 columns
 };
 
+// Rows [0, rows) of a row-major [*, Dh] fp16 matrix, 16-byte vectors of kK / 8 per row, this thread's
+// share (vector l is index threadIdx.x + l * kThreads); zeros past the rows and past Dh.
+template <int kVecs>
+__device__ __forceinline__ void loadRows(uint4 (&v)[kVecs], __half const* src, int rows, int64_t Dh)
+{
+#pragma unroll
+    for (int l = 0; l < kVecs; ++l)
+    {
+        int const idx = threadIdx.x + l * kThreads;
+        int const r = idx / (kK / 8);
+        int const c = (idx % (kK / 8)) * 8;
+        v[l] = r < rows && c < Dh ? *reinterpret_cast<uint4 const*>(src + r * Dh + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// The vectors of loadRows into a shared tile [row][kStride] at the same places.
+template <int kVecs>
+__device__ __forceinline__ void storeRows(__half (*dst)[kStride], uint4 const (&v)[kVecs])
+{
+#pragma unroll
+    for (int l = 0; l < kVecs; ++l)
+    {
+        int const idx = threadIdx.x + l * kThreads;
+        *reinterpret_cast<uint4*>(&dst[idx / (kK / 8)][(idx % (kK / 8)) * 8]) = v[l];
+    }
+}
+
 // Row r (0-127) of the 128-row lo staging area, made of bHi (rows 0-63) and bLo (64-127).
 __device__ __forceinline__ __half* loStageRow(PrepShared& s, int r)
 {
@@ -45,53 +72,17 @@ __global__ void __launch_bounds__(kThreads, 4) ttaPrepFp16Kernel(__half const* _
 {
     __shared__ __align__(16) PrepShared s;
 
-    int64_t blk = blockIdx.x;
-    bool const isK = blk >= blocksQ;
-    if (isK)
-    {
-        blk -= blocksQ;
-    }
-    int64_t const tiles = isK ? tilesK : tilesQ;
-    int64_t const bh = blk / tiles;
-    int64_t const row0 = (blk - bh * tiles) * kRows;
-    int64_t const L = isK ? Lk : Lq;
-    int const rows = static_cast<int>(L - row0 < kRows ? L - row0 : kRows);
-    int64_t const b = bh / H;
-    int64_t const h = bh - b * H;
-    __half const* x = (isK ? k : q) + (bh * L + row0) * Dh;
-    __half const* tm = trace + ((Bt == 1 ? 0 : b) * Ht + (Ht == 1 ? 0 : h)) * Dh * Dh;
+    PrepTile const tile = prepTile(blockIdx.x, blocksQ, tilesQ, tilesK, Lq, Lk, H, kRows);
+    __half const* x = tile.rowsOf(q, k, Dh);
+    __half const* tm = tile.traceOf(trace, Bt, Ht, Dh);
 
     // Every load in flight before the first is used; zero outside the rows and Dh.
     uint4 xv[kXVecs];
     uint4 tv[kTVecs];
-#pragma unroll
-    for (int l = 0; l < kXVecs; ++l)
-    {
-        int const idx = threadIdx.x + l * kThreads;
-        int const r = idx / (kK / 8);
-        int const c = (idx % (kK / 8)) * 8;
-        xv[l] = r < rows && c < Dh ? *reinterpret_cast<uint4 const*>(x + r * Dh + c) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int l = 0; l < kTVecs; ++l)
-    {
-        int const idx = threadIdx.x + l * kThreads;
-        int const e = idx / (kK / 8);
-        int const c = (idx % (kK / 8)) * 8;
-        tv[l] = e < Dh && c < Dh ? *reinterpret_cast<uint4 const*>(tm + e * Dh + c) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int l = 0; l < kXVecs; ++l)
-    {
-        int const idx = threadIdx.x + l * kThreads;
-        *reinterpret_cast<uint4*>(&s.ops.a[idx / (kK / 8)][(idx % (kK / 8)) * 8]) = xv[l];
-    }
-#pragma unroll
-    for (int l = 0; l < kTVecs; ++l)
-    {
-        int const idx = threadIdx.x + l * kThreads;
-        *reinterpret_cast<uint4*>(&s.tr[idx / (kK / 8)][(idx % (kK / 8)) * 8]) = tv[l];
-    }
+    loadRows(xv, x, tile.rows, Dh);
+    loadRows(tv, tm, static_cast<int>(Dh), Dh);
+    storeRows(s.ops.a, xv);
+    storeRows(s.tr, tv);
     __syncthreads();
 
     // S[e][d] = T[e][d] + T[d][e] in fp32, kept as hi + lo (S is symmetric: [e][d] is the B layout).
@@ -140,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 4) ttaPrepFp16Kernel(__half const* _
         }
     }
     __syncthreads(); // every warp is done with x and S: their space takes the kS staging
-    if (isK)
+    if (tile.isK)
     {
         // kS = hi + lo into [row][column] staging: hi over x, lo over S.
 #pragma unroll
@@ -165,25 +156,25 @@ __global__ void __launch_bounds__(kThreads, 4) ttaPrepFp16Kernel(__half const* _
         }
     }
     __syncthreads();
-    if (isK)
+    if (tile.isK)
     {
-        int64_t const base = (bh * Lk + row0) * Dh;
+        int64_t const base = (tile.bh * Lk + tile.row0) * Dh;
 #pragma unroll
         for (int l = 0; l < kXVecs; ++l)
         {
             int const idx = threadIdx.x + l * kThreads;
             int const r = idx / (kK / 8);
             int const c = (idx % (kK / 8)) * 8;
-            if (r < rows && c < Dh)
+            if (r < tile.rows && c < Dh)
             {
                 *reinterpret_cast<uint4*>(kSHi + base + r * Dh + c) = *reinterpret_cast<uint4 const*>(&s.ops.a[r][c]);
                 *reinterpret_cast<uint4*>(kSLo + base + r * Dh + c) = *reinterpret_cast<uint4 const*>(loStageRow(s, r) + c);
             }
         }
     }
-    if (static_cast<int>(threadIdx.x) < rows)
+    if (static_cast<int>(threadIdx.x) < tile.rows)
     {
-        (isK ? kk : qq)[bh * L + row0 + threadIdx.x] = 0.5f * (s.rowPart[0][threadIdx.x] + s.rowPart[1][threadIdx.x]);
+        (tile.isK ? kk : qq)[tile.bh * tile.L + tile.row0 + threadIdx.x] = 0.5f * (s.rowPart[0][threadIdx.x] + s.rowPart[1][threadIdx.x]);
     }
 }
 

@@ -131,21 +131,9 @@ __global__ void __launch_bounds__(kThreads, 2) ttaPrepKernel(T const* __restrict
     __shared__ __align__(16) PrepShared s;
     __shared__ float rowSum[kPrepRows];
 
-    int64_t blk = blockIdx.x;
-    bool const isK = blk >= blocksQ;
-    if (isK)
-    {
-        blk -= blocksQ;
-    }
-    int64_t const tiles = isK ? tilesK : tilesQ;
-    int64_t const bh = blk / tiles;
-    int64_t const row0 = (blk - bh * tiles) * kPrepRows;
-    int64_t const L = isK ? Lk : Lq;
-    int const rows = static_cast<int>(L - row0 < kPrepRows ? L - row0 : kPrepRows);
-    int64_t const b = bh / H;
-    int64_t const h = bh - b * H;
-    T const* x = (isK ? k : q) + (bh * L + row0) * Dh;
-    T const* tm = trace + ((Bt == 1 ? 0 : b) * Ht + (Ht == 1 ? 0 : h)) * Dh * Dh;
+    PrepTile const tile = prepTile(blockIdx.x, blocksQ, tilesQ, tilesK, Lq, Lk, H, kPrepRows);
+    T const* x = tile.rowsOf(q, k, Dh);
+    T const* tm = tile.traceOf(trace, Bt, Ht, Dh);
 
     WarpPos const pos = warpPos();
     int const wm = pos.wm;
@@ -171,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2) ttaPrepKernel(T const* __restrict
                 int const r = idx / (kSlice / 8);
                 int const c = (idx % (kSlice / 8)) * 8;
                 float v[8];
-                int64_t const valid = r < rows ? Dh - (k0 + c) : 0;
+                int64_t const valid = r < tile.rows ? Dh - (k0 + c) : 0;
                 load8<kVector>(v, x + r * Dh + k0 + c, valid);
                 *reinterpret_cast<float4*>(&s.ops.a[r][c]) = make_float4(v[0], v[1], v[2], v[3]);
                 *reinterpret_cast<float4*>(&s.ops.a[r][c + 4]) = make_float4(v[4], v[5], v[6], v[7]);
@@ -220,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 2) ttaPrepKernel(T const* __restrict
             float4 const hi4 = *reinterpret_cast<float4 const*>(&s.stage[r][c + 4]);
             xs[0] = lo4.x, xs[1] = lo4.y, xs[2] = lo4.z, xs[3] = lo4.w;
             xs[4] = hi4.x, xs[5] = hi4.y, xs[6] = hi4.z, xs[7] = hi4.w;
-            load8<kVector>(xv, x + r * Dh + e0 + c, r < rows ? valid : 0);
+            load8<kVector>(xv, x + r * Dh + e0 + c, r < tile.rows ? valid : 0);
             float p = 0.0f;
 #pragma unroll
             for (int i = 0; i < 8; ++i)
@@ -234,16 +222,16 @@ __global__ void __launch_bounds__(kThreads, 2) ttaPrepKernel(T const* __restrict
             {
                 rowSum[r] += p; // one thread per row per chunk: chunks are ordered by the barriers
             }
-            if (isK && r < rows && valid > 0)
+            if (tile.isK && r < tile.rows && valid > 0)
             {
-                storeKS<T, kVector>(xs, kS32, kSHi, kSLo, (bh * Lk + row0 + r) * Dh + e0 + c, valid);
+                storeKS<T, kVector>(xs, kS32, kSHi, kSLo, (tile.bh * Lk + tile.row0 + r) * Dh + e0 + c, valid);
             }
         }
         __syncthreads();
     }
-    if (static_cast<int>(threadIdx.x) < rows)
+    if (static_cast<int>(threadIdx.x) < tile.rows)
     {
-        (isK ? kk : qq)[bh * L + row0 + threadIdx.x] = 0.5f * rowSum[threadIdx.x];
+        (tile.isK ? kk : qq)[tile.bh * tile.L + tile.row0 + threadIdx.x] = 0.5f * rowSum[threadIdx.x];
     }
 }
 
