@@ -133,10 +133,11 @@ class ModelInfo:
     version: str = ""  # attnx version that wrote the file
     weights: str | None = None  # safetensors file beside the model (the reference's weights)
     tokenizer: dict | None = None  # text models: {"dir", "max_length", "truncation_side", "pad_id", ...}
+    quantization: dict | None = None  # int8: {"weight_bits", "smoothing_alpha", "calibration"} (export.quantize)
     schema: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)
 
-    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer")
+    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer", "quantization")
 
     # ---- lookups ------------------------------------------------------------------------
     def input(self, name: str) -> TensorEntry:

@@ -100,6 +100,9 @@ def register(app: typer.Typer) -> None:
         int8: bool = typer.Option(False, "--int8", help="CPU int8: MatMul/Gemm weights int8, activations quantized "
                                   "per token at run time (smoothed, calibrated on built-in sentences); softmax, "
                                   "LayerNorm and custom ops stay float."),
+        int8_weight_bits: Optional[int] = typer.Option(None, "--int8-weight-bits", help="With --int8: 7 (default; "
+                                                       "exact on every CPU) or 8 (more accurate; only for CPUs with "
+                                                       "VNNI, AMX or ARM: AVX2 without VNNI saturates them)."),
         no_fuse: bool = typer.Option(False, "--no-fuse", help="Skip the exact graph fusions (packed Q/K/V, 3-D "
                                      "attention), e.g. to compare against them."),
         sets: List[str] = typer.Option([], "--set", help="Config option key=value (repeatable); see `attnx variants`."),
@@ -128,6 +131,10 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--lowering {lowering!r}: valid: {', '.join(LOWERINGS)}")
         if int8 and fp16:
             raise UserError("--int8 and --fp16 cannot be combined: int8 quantizes the fp32 export (choose one)")
+        if int8_weight_bits is not None and not int8:
+            raise UserError("--int8-weight-bits needs --int8")
+        if int8_weight_bits not in (None, 7, 8):
+            raise UserError(f"--int8-weight-bits {int8_weight_bits}: valid: 7 (every CPU) or 8 (VNNI, AMX, ARM)")
         if variant is None and pretrained is None:
             raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
         variant = variant or "mha"
@@ -186,11 +193,12 @@ def register(app: typer.Typer) -> None:
                                         progress=step, attention_outputs=attention_outputs, head_mask=head_mask,
                                         fuse=not no_fuse)
             if int8:
+                from attnx.contract import ModelInfo
                 from attnx.export.quantize import quantize_file
 
                 progress.update(task, description=f"export {label}: int8")
-                quantize_file(result.path, result.path)
-                result.info.precision = "int8"
+                quantize_file(result.path, result.path, weight_bits=int8_weight_bits or 7)
+                result.info = ModelInfo.read(result.path)  # precision and how it was quantized
             progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "

@@ -28,11 +28,15 @@ LayerNorm that produces ``x`` where it can (packed Q/K/V, FFN in), else one ``Mu
 all-MiniLM-L6-v2 the worst built-in sentence goes from cosine 0.983 to 0.995 (mean 0.999);
 docs/performance.md. A model without a tokenizer calibrates on its synthetic example inputs.
 
-**Why 7-bit weights:** activations uint8, weights int8 (U8S8) is ONNX Runtime's fast integer GEMM
-(AVX2 ``vpmaddubsw``; VNNI). Without VNNI that instruction adds two u8 x s8 products into int16,
-which saturates for full-range int8 weights (255 * 127 * 2 > 32767: cosine 0.987 on "Ok.").
-Weights in [-63, 63] cannot saturate (ORT's ``reduce_range``). Measured on this AVX2 CPU at 8x128:
-U8S8 7-bit 1.49x fp32, U8U8 8-bit (no saturation, slower kernel) 1.20x; cosine min 0.992 vs 0.995.
+**Weight bits.** Activations uint8, weights int8 (U8S8) is ONNX Runtime's fast integer GEMM. On
+x86 with AVX2 but no VNNI it adds two u8 x s8 products into a saturating int16, and full-range
+weights clip (255 * 127 * 2 > 32767: cosine 0.987 on "Ok."); weights in [-63, 63] cannot (ORT's
+``reduce_range``). So the default is 7-bit weights, exact on every CPU. ``weight_bits=8`` (CLI
+``--int8-weight-bits 8``) is for CPUs whose integer dot product accumulates in int32 (VNNI, AMX,
+ARM): same speed, about half the weight rounding error (MiniLM worst sentence 0.991 -> 0.995);
+:mod:`attnx.runtime.cpu` says which CPU is which, and the runtime warns when such a file is loaded
+on one that clips. Measured (8x128, docs/performance.md): AVX2 without VNNI 1.4-1.55x fp32 (U8U8
+8-bit, which cannot saturate there, 1.20x: a slower kernel); AMX / AVX-512 VNNI 1.9x.
 """
 
 from __future__ import annotations
@@ -47,20 +51,24 @@ QUANT_OPS = ("MatMul", "Gemm")
 ALPHA = 0.6
 ORT_DOMAIN = "com.microsoft"
 _ZERO = 128  # uint8 zero point of the activations: symmetric int8 stored as uint8
-WEIGHT_LEVELS = 63  # 7-bit symmetric weights: no int16 saturation in AVX2's u8 x s8 pair sums (module doc)
+#: Weight bits a file may have: 7 (default; no int16 saturation in AVX2's u8 x s8 pair sums) or 8
+#: (int32-accumulating CPUs only; module doc).
+WEIGHT_BITS = (7, 8)
 
 
-def _weight_s8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(W_s8, scale[N])``: symmetric per output column in [-63, 63]."""
-    scale = np.abs(w).max(axis=0) / WEIGHT_LEVELS
+def _weight_s8(w: np.ndarray, bits: int = 7) -> tuple[np.ndarray, np.ndarray]:
+    """``(W_s8, scale[N])``: symmetric per output column in [-(2^(bits-1) - 1), 2^(bits-1) - 1]."""
+    levels = 2 ** (bits - 1) - 1
+    scale = np.abs(w).max(axis=0) / levels
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
-    q = np.clip(np.round(w / scale), -WEIGHT_LEVELS, WEIGHT_LEVELS)
+    q = np.clip(np.round(w / scale), -levels, levels)
     return q.astype(np.int8), scale
 
 
 class _Rewriter:
-    def __init__(self, graph: onnx.GraphProto):
+    def __init__(self, graph: onnx.GraphProto, weight_bits: int):
         self.graph = graph
+        self.weight_bits = weight_bits
         self.inits = {t.name: t for t in graph.initializer}
         self.new_inits: list[onnx.TensorProto] = []
         self.rows: dict[str, tuple[str, str]] = {}  # activation -> (x_u8, s_x): q, k, v share one
@@ -78,7 +86,7 @@ class _Rewriter:
         key = (name, transposed)
         if key not in self.weights:
             w = numpy_helper.to_array(init)
-            q, scale = _weight_s8(w.T if transposed else w)
+            q, scale = _weight_s8(w.T if transposed else w, self.weight_bits)
             tag = f"{name}{'_T' if transposed else ''}"
             self.weights[key] = (self.const(f"{tag}__s8", q), self.const(f"{tag}__scale", scale), q.shape[0])
         return self.weights[key]
@@ -257,14 +265,20 @@ def smooth(model: onnx.ModelProto, feeds: list[dict], exclude=(), alpha: float =
     return len(groups)
 
 
-def quantize_int8(model: onnx.ModelProto, exclude=()) -> tuple[onnx.ModelProto, int]:
+def _check_bits(weight_bits: int) -> None:
+    if weight_bits not in WEIGHT_BITS:
+        raise ValueError(f"int8 weight bits {weight_bits!r}: valid: 7 (every CPU) or 8 (VNNI, AMX, ARM)")
+
+
+def quantize_int8(model: onnx.ModelProto, exclude=(), weight_bits: int = 7) -> tuple[onnx.ModelProto, int]:
     """An int8 copy of an fp32 ``model`` (see the module doc) and the number of MatMul/Gemm quantized;
     nodes named in ``exclude`` and those feeding a decision (:func:`decision_inputs`) stay float.
     Metadata, functions and opsets are kept; the caller marks the precision."""
+    _check_bits(weight_bits)
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    rw = _Rewriter(graph)
+    rw = _Rewriter(graph, weight_bits)
     keep_float = decision_inputs(graph)
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -316,23 +330,34 @@ def calibration_feeds(path, info) -> list[dict]:
     return feeds
 
 
-def quantize_file(src, dst, smoothing: bool = True) -> int:
-    """Quantize the fp32 export ``src`` into ``dst`` (atomically), its metadata marked ``precision=int8``;
-    ``smoothing``: calibrate and smooth first (:func:`smooth`; needs the file's attnx metadata)."""
+def quantize_file(src, dst, smoothing: bool = True, weight_bits: int = 7) -> int:
+    """Quantize the fp32 export ``src`` into ``dst`` (atomically), its metadata marked ``precision=int8``
+    with how (``quantization``); ``smoothing``: calibrate and smooth first (:func:`smooth`; needs the
+    file's attnx metadata); ``weight_bits``: 7 or 8 (module doc)."""
     from pathlib import Path
 
     from attnx.contract import ModelInfo, load_onnx
     from attnx.export.exporter import save_model
 
+    _check_bits(weight_bits)
     model = load_onnx(src, with_data=True)
     info = ModelInfo.read(model)
     if info is not None and info.precision != "fp32":
         raise ValueError(f"{Path(src).name} is {info.precision}: int8 quantizes an fp32 export")
+    smoothed, feeds = 0, []
     if smoothing and info is not None:
-        smooth(model, calibration_feeds(src, info))
-    out, count = quantize_int8(model)
+        feeds = calibration_feeds(src, info)
+        smoothed = smooth(model, feeds)
+    out, count = quantize_int8(model, weight_bits=weight_bits)
     if info is not None:
         info.precision = "int8"
+        info.quantization = {
+            "weights": "int8, symmetric per output column", "weight_bits": weight_bits,
+            "activations": "uint8, symmetric per token at run time", "matmuls": count,
+            "smoothing_alpha": ALPHA if smoothed else None,
+            "calibration": None if not smoothed else
+            f"{len(feeds)} {'built-in sentences' if info.tokenizer else 'synthetic batches'}",
+        }
         info.write(out)
     onnx.checker.check_model(out)
     save_model(out, Path(dst))

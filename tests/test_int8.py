@@ -104,7 +104,13 @@ def test_int8_file_has_integer_matmuls_and_float_softmax_layernorm(int8_of):
     for n in model.graph.node:
         if n.op_type == "LayerNormalization":
             assert inits[n.input[1]].data_type == onnx.TensorProto.FLOAT
-    assert ModelInfo.read(dst).precision == "int8"
+    info = ModelInfo.read(dst)
+    assert info.precision == "int8"
+    from attnx.pretrained.sentences import CALIBRATION
+
+    assert info.quantization["weight_bits"] == 7 and info.quantization["matmuls"] == 24
+    assert info.quantization["smoothing_alpha"] == 0.6
+    assert info.quantization["calibration"] == f"{len(CALIBRATION)} built-in sentences"
     assert dst.stat().st_size < 0.7 * src.stat().st_size
 
 
@@ -252,3 +258,94 @@ def test_a_model_without_tokenizer_calibrates_on_synthetic_ids_within_its_positi
     assert np.abs(want).max() > 1.0
     assert (want.argmax(-1) == got.argmax(-1)).mean() >= 0.85
     assert not np.array_equal(want, got)
+
+
+@pytest.fixture(scope="module")
+def int8_8bit(int8_of):
+    src, _ = int8_of("mha")
+    dst = src.with_name(f"{src.stem}-int8-w8.onnx")  # beside its source: the tokenizer folder is shared
+    quantize_file(src, dst, weight_bits=8)
+    return dst
+
+
+def test_8bit_weights_use_the_full_range_and_say_so(int8_8bit):
+    model = onnx.load(str(int8_8bit))
+    weights = [numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8
+               and t.name.endswith("__s8")]
+    assert len(weights) == 24
+    assert all(np.abs(w).max() == 127 for w in weights)  # every column's largest weight maps to +-127
+    assert ModelInfo.read(int8_8bit).quantization["weight_bits"] == 8
+    with pytest.raises(ValueError, match=r"int8 weight bits 6: valid: 7 \(every CPU\) or 8"):
+        quantize_file(int8_8bit, int8_8bit.with_name("x.onnx"), weight_bits=6)
+
+
+@pytest.mark.skipif(__import__("attnx.runtime.cpu", fromlist=["x"]).saturates_8bit_weights(),
+                    reason="this CPU's integer GEMM (AVX2 without VNNI) saturates 8-bit weights: that is why 7 is "
+                    "the default")
+def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of, int8_8bit, st):
+    _, seven = int8_of("mha")
+    ref = st.encode(SENTENCES, convert_to_numpy=True).astype(np.float64)
+    cos7, cos8 = _cosines(_embed(seven, SENTENCES), ref), _cosines(_embed(int8_8bit, SENTENCES), ref)
+    assert cos8.min() >= COSINE["int8"], cos8
+    # measured: worst sentence 0.991 -> 0.995, mean error 2.8e-3 -> 1.3e-3
+    assert (1 - cos8).mean() < 0.7 * (1 - cos7).mean(), (cos7, cos8)
+    assert cos8.min() > cos7.min()
+
+
+def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, int8_8bit, monkeypatch):
+    from attnx.runtime import cpu
+    from attnx.runtime.backends.onnxrt import OnnxRuntimeSession
+
+    monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
+    with pytest.warns(RuntimeWarning, match="8-bit int8 weights.*re-export with --int8-weight-bits 7"):
+        OnnxRuntimeSession(int8_8bit)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OnnxRuntimeSession(int8_of("mha")[1])  # 7-bit: exact on that CPU, no warning
+        monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: False)
+        OnnxRuntimeSession(int8_8bit)
+
+
+def test_cpu_integer_dot_product_names_and_which_cpus_saturate():
+    from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+
+    cases = [  # (flags, x86) -> (name starts with, saturates)
+        ({"avx2", "avx512bw", "avx512_vnni", "amx_int8"}, True, "AMX", False),
+        ({"avx2", "avx512bw", "avx512_vnni"}, True, "AVX-512 VNNI", False),
+        ({"avx2", "avx_vnni"}, True, "AVX-VNNI", False),
+        ({"avx2", "fma"}, True, "AVX2 without VNNI", True),
+        ({"avx2", "avx512bw"}, True, "AVX2 without VNNI", True),
+        ({"sse4_1"}, True, "SSE", False),
+        ({"asimd", "asimddp"}, False, "", False),
+    ]
+    for flags, x86, name, clips in cases:
+        assert int8_dot_product(frozenset(flags), x86).startswith(name), flags
+        assert saturates_8bit_weights(frozenset(flags), x86) is clips, flags
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--int8", "--int8-weight-bits", "6"], "error: --int8-weight-bits 6: valid: 7 (every CPU) or 8 (VNNI, AMX, ARM)"),
+    (["--int8-weight-bits", "8"], "error: --int8-weight-bits needs --int8"),
+])
+def test_cli_refuses_bad_int8_weight_bits_in_one_line(tmp_path, args, message):
+    out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", *args,
+                          "-o", str(tmp_path / "m.onnx")], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0
+    assert [ln for ln in (out.stdout + out.stderr).strip().splitlines() if ln.strip()] == [message]
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_int8_weight_bits_reach_the_file(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", "--layers", "1",
+                          "--int8", "--int8-weight-bits", "8", "-o", str(tmp_path / "m.onnx")],
+                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    info = ModelInfo.read(tmp_path / "m.onnx")
+    assert info.precision == "int8" and info.quantization["weight_bits"] == 8
+    assert info.quantization["calibration"] == "8 synthetic batches"
+    weights = [numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "m.onnx")).graph.initializer
+               if t.data_type == onnx.TensorProto.INT8 and t.name.endswith("__s8")]
+    assert weights and max(np.abs(w).max() for w in weights) == 127

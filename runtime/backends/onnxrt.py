@@ -7,6 +7,7 @@ attnx custom ops need nothing here: every one carries a model-local function tha
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +152,7 @@ class OnnxRuntimeSession(Session):
         self.provider = "onnxruntime:" + self._sess.get_providers()[0]
         self.metadata = dict(self._sess.get_modelmeta().custom_metadata_map)
         info = self.info
+        _warn_if_int8_weights_clip(self.path, info)
         self.inputs = merge_specs(self._file_specs(self._sess.get_inputs()), info.inputs if info else None, True)
         self.outputs = merge_specs(self._file_specs(self._sess.get_outputs()), info.outputs if info else None, False)
 
@@ -168,6 +170,18 @@ class OnnxRuntimeSession(Session):
 
     def close(self) -> None:
         self._sess = None  # type: ignore[assignment]
+
+
+def _warn_if_int8_weights_clip(path: Path, info: ModelInfo | None) -> None:
+    """An int8 file with 8-bit weights on a CPU whose integer GEMM saturates them (attnx.runtime.cpu) runs,
+    but less accurately than its ``attnx check``: say so once, at load."""
+    from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+
+    bits = (info.quantization or {}).get("weight_bits") if info is not None and info.precision == "int8" else None
+    if bits == 8 and saturates_8bit_weights():
+        warnings.warn(f"{path.name} has 8-bit int8 weights, and this CPU's integer dot product is "
+                      f"{int8_dot_product()}: ONNX Runtime clips some products and embeddings lose accuracy; "
+                      "re-export with --int8-weight-bits 7 for this CPU", RuntimeWarning, stacklevel=3)
 
 
 def onnx_io_specs(path: str | os.PathLike) -> tuple[list[TensorSpec], list[TensorSpec]]:
