@@ -198,3 +198,34 @@ def test_metadata_names_dims_the_file_left_anonymous():
     assert specs[0] == TensorSpec("output", np.dtype(np.float32), ("batch", "seq", 8), "output")
     # A fixed dim in the file wins over the metadata.
     assert specs[1].shape == (3,) and specs[1].role == "aux"
+
+
+def test_denormals_flush_in_onnx_runtime_and_the_callers_thread_keeps_its_mode(tmp_path):
+    """``denormal_as_zero`` (default on) reaches ORT's pool threads, and a runtime session flushes on the
+    calling thread for each run (it does part of ORT's work); the caller's thread keeps its own mode
+    before, between and after runs (ORT alone would set FTZ/DAZ on the session's creating thread)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from attnx.runtime.backends.onnxrt import OnnxRuntimeSession
+
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])],
+                              [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    path = tmp_path / "mul.onnx"
+    onnx.save(helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21)]), str(path))
+    tiny = np.full(1 << 22, 1e-39, np.float32)  # denormal: 2 * 1e-39 is 2e-39 unless flushed
+
+    def this_thread_flushes() -> bool:
+        return bool((tiny[:4] * np.float32(2) == 0).all())
+
+    assert OrtOptions().denormal_as_zero
+    pool_only = OrtOptions(device="cpu", threads=2).inference_session(path)  # ORT's own session
+    assert not this_thread_flushes()
+    assert max(int((pool_only.run(None, {"x": tiny})[0] == 0).sum()) for _ in range(5)) > 0  # pool's share
+    runtime = OnnxRuntimeSession(path, OrtOptions(device="cpu", threads=2))
+    assert (runtime.run({"x": tiny})["y"] == 0).all()  # every share, this thread's included
+    assert not this_thread_flushes()
+    off = OnnxRuntimeSession(path, OrtOptions(device="cpu", threads=2, denormal_as_zero=False))
+    assert (off.run({"x": tiny})["y"] == np.float32(2e-39)).all()
