@@ -201,6 +201,12 @@ def register(app: typer.Typer) -> None:
                 result.info = ModelInfo.read(result.path)  # precision and how it was quantized
             progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info
+        if int8_weight_bits == 8:
+            from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+
+            if saturates_8bit_weights():  # the file is fine; this CPU is the wrong one to serve it on
+                console.print(f"[yellow]note:[/yellow] this CPU's integer dot product is {int8_dot_product()}: "
+                              "serve this file on a CPU with VNNI, AMX or ARM dot products", highlight=False)
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "
                       f"{sum(p.numel() for p in result.model.parameters()):,} parameters)", highlight=False)
         typer.echo(str(result.path))
