@@ -133,7 +133,7 @@ class ModelInfo:
     version: str = ""  # attnx version that wrote the file
     weights: str | None = None  # safetensors file beside the model (the reference's weights)
     tokenizer: dict | None = None  # text models: {"dir", "max_length", "truncation_side", "pad_id", ...}
-    quantization: dict | None = None  # int8: {"weight_bits", "smoothing_alpha", "calibration"} (export.quantize)
+    quantization: dict | None = None  # int8: {"weight_bits", "matmuls", "smoothing_alpha", "calibration", ...}
     schema: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)
 

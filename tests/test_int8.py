@@ -338,6 +338,23 @@ def test_cli_refuses_bad_int8_weight_bits_in_one_line(tmp_path, args, message):
     assert not list(tmp_path.iterdir())
 
 
+def test_cli_notes_when_8bit_weights_are_exported_on_a_cpu_that_would_clip_them(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from attnx.cli.main import app
+    from attnx.runtime import cpu
+
+    args = ["export", "--variant", "mha", "--layers", "1", "--int8", "--int8-weight-bits", "8"]
+    monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
+    clipping = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "a.onnx")], env={"COLUMNS": "200"})
+    assert clipping.exit_code == 0, clipping.output
+    assert "serve this file on a CPU with VNNI, AMX or ARM dot products" in clipping.output
+    assert ModelInfo.read(tmp_path / "a.onnx").quantization["weight_bits"] == 8  # written all the same
+    monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: False)
+    fine = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "b.onnx")], env={"COLUMNS": "200"})
+    assert fine.exit_code == 0 and "serve this file" not in fine.output
+
+
 def test_cli_int8_weight_bits_reach_the_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", "--layers", "1",
                           "--int8", "--int8-weight-bits", "8", "-o", str(tmp_path / "m.onnx")],
