@@ -86,9 +86,14 @@ def register(app: typer.Typer) -> None:
     @guarded
     def export(
         variant: Optional[str] = typer.Option(None, "--variant", help="A registered variant (see `attnx variants`); "
-                                              "with --from-pretrained, default mha."),
-        pretrained: Optional[Path] = typer.Option(None, "--from-pretrained", help="A local Hugging Face folder "
-                                                  "(BERT-family or GPT-2) to place the variant in."),
+                                              "with --from-pretrained, default mha (or the placement a folder saved "
+                                              "from a placed model carries)."),
+        pretrained: Optional[Path] = typer.Option(None, "--from-pretrained", help="A local Hugging Face folder of any "
+                                                  "family whose attention goes through transformers' attention "
+                                                  "interface (encoders, decoders, classifiers) to place the variant in."),
+        task: Optional[str] = typer.Option(None, "--task", help="With --from-pretrained: feature-extraction | "
+                                           "causal-lm | sequence-classification (default: from config.json's "
+                                           "architectures)."),
         layers_replaced: Optional[str] = typer.Option(None, "--layers-replaced", help="With --from-pretrained: the "
                                                       "layers whose attention the variant replaces: all | none | 0,3,5 "
                                                       "(default all; none for a variant appended by default)."),
@@ -137,6 +142,16 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--int8-weight-bits {int8_weight_bits}: valid: 7 (every CPU) or 8 (VNNI, AMX, ARM)")
         if variant is None and pretrained is None:
             raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
+        if task is not None and pretrained is None:
+            raise UserError("--task chooses the head of a --from-pretrained model: add --from-pretrained")
+        asked_variant = variant
+        folder = None
+        if pretrained is not None:
+            from attnx.pretrained import read_folder
+
+            folder = read_folder(pretrained)
+            if variant is None and folder.placement is not None:
+                variant = folder.placement["variant"]
         variant = variant or "mha"
         if output is not None and output.suffix.lower() != ".onnx":
             raise UserError(f"-o {output}: the output must be a .onnx file (the weights and tokenizer are written "
@@ -154,15 +169,14 @@ def register(app: typer.Typer) -> None:
             planned = default_path(variant, lowering, fp16, workdir())
         elif planned is None:
             from attnx.export.pretrained import default_name
-            from attnx.pretrained import read_folder
 
-            planned = workdir() / f"{default_name(read_folder(pretrained), variant, lowering, fp16)}.onnx"
+            planned = workdir() / f"{default_name(folder, variant, lowering, fp16)}.onnx"
         if int8 and output is None:
             planned = output = planned.with_name(f"{planned.stem}-int8.onnx")
         refuse_overwriting_inputs(planned, checkpoint, pretrained)
         label = f"{pretrained.name} + {variant}" if pretrained is not None else variant
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                      transient=False) as progress:
+                      transient=False, disable=not console.is_terminal) as progress:  # no spinner line in logs
             task = progress.add_task(f"export {label}", total=len(STEPS))
 
             def step(name: str) -> None:
@@ -173,13 +187,16 @@ def register(app: typer.Typer) -> None:
                 from attnx.models.spec import get_spec
 
                 options = parse_sets(variant, sets)
-                shared = {"d_model", "n_heads", "dropout", "is_causal", "qkv_bias"}
+                shared = {"d_model", "n_heads", "dropout", "is_causal", "qkv_bias", "head_size"}
                 bad = sorted(set(options) - set(get_spec(variant).options()) | (set(options) & shared))
                 if bad:
                     raise UserError(f"--set {bad[0]}: with --from-pretrained only the variant's own options can be "
                                     "set (sizes come from the model's config.json)")
-                result = export_pretrained(pretrained, output, variant=variant, layers=parse_layers(layers_replaced),
-                                           append=append, options=options, checkpoint=checkpoint, lowering=lowering,
+                saved = folder.placement is not None and asked_variant is None and layers_replaced is None \
+                    and append is None and not options
+                result = export_pretrained(pretrained, output, variant=None if saved else variant,
+                                           layers=parse_layers(layers_replaced), append=append, options=options,
+                                           checkpoint=checkpoint, task=task, lowering=lowering,
                                            fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step,
                                            attention_outputs=attention_outputs, head_mask=head_mask,
                                            fuse=not no_fuse)
@@ -201,6 +218,8 @@ def register(app: typer.Typer) -> None:
                 result.info = ModelInfo.read(result.path)  # precision and how it was quantized
             progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info
+        for note in result.notes:
+            console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
         if int8_weight_bits == 8:
             from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
 
@@ -220,7 +239,9 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from attnx.export.describe import describe_model
+        from attnx.export.ops import register_schemas
 
+        register_schemas()  # the attnx ops' schemas live in this process only once registered
         info = describe_model(model)
         if as_json:
             typer.echo(json.dumps(info, indent=2))

@@ -8,9 +8,11 @@ from pathlib import Path
 from torch import nn
 
 
-def read_checkpoint(model: nn.Module, checkpoint: str | Path, *, required=None, what: str = "model") -> dict:
+def read_checkpoint(model: nn.Module, checkpoint: str | Path, *, required=None, what: str = "model",
+                    prefix: str = "") -> dict:
     """The tensors of a safetensors file, checked against ``model``: every name in ``required``
-    (default: all of the model's) present, none unknown, none mis-shaped; else one error listing them."""
+    (default: all of the model's) present, none unknown, none mis-shaped; else one error listing them.
+    ``prefix``: the model's names carry it and the file's may not (a wrapped model's own checkpoint)."""
     from safetensors.torch import load_file
 
     path = Path(checkpoint)
@@ -20,6 +22,8 @@ def read_checkpoint(model: nn.Module, checkpoint: str | Path, *, required=None, 
         state = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"cannot read checkpoint {path}: {e}") from None
+    if prefix and state and not any(k.startswith(prefix) for k in state):
+        state = {prefix + k: v for k, v in state.items()}
     own = model.state_dict()
     for name, alias in _aliases(model).items():  # tied weights are stored once (save_checkpoint)
         if name not in state and alias in state:

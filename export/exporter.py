@@ -54,6 +54,7 @@ class ExportResult:
     info: ModelInfo
     weights_path: Path | None = None
     steps: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # one line each for the user (e.g. a source folder's auto_map ignored)
 
     @property
     def config(self) -> dict:
@@ -141,6 +142,7 @@ def _optimise(model: onnx.ModelProto, fuse: bool = True) -> onnx.ModelProto:
 
     functions = list(model.functions)
     graph = gs.import_onnx(model)
+    _batch_rotary_caches(graph)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
@@ -153,6 +155,34 @@ def _optimise(model: onnx.ModelProto, fuse: bool = True) -> onnx.ModelProto:
     out.functions.extend(functions)
     out.metadata_props.extend(model.metadata_props)
     return out
+
+
+def _batch_rotary_caches(graph) -> int:
+    """ONNX ``RotaryEmbedding`` without ``position_ids`` wants cos/sin caches ``[B, L, D/2]``; the exporter's
+    fusion of an encoder's RoPE (positions ``[1, L]``, e.g. ModernBERT) feeds ``[1, L, D/2]``, which ONNX
+    Runtime refuses for B > 1. Expand them to the batch of the input (exact: the rows are the same)."""
+    import onnx_graphsurgeon as gs
+
+    fixed = 0
+    for node in list(graph.nodes):
+        if node.op != "RotaryEmbedding" or node.domain not in (None, "", "ai.onnx") or len(node.inputs) > 3:
+            continue
+        x = node.inputs[0]
+        batch = gs.Variable(f"{node.name}__batch", dtype=np.int64)
+        graph.nodes.append(gs.Node("Shape", inputs=[x], outputs=[batch], attrs={"start": 0, "end": 1}))
+        for slot in (1, 2):
+            cache = node.inputs[slot]
+            rest = gs.Variable(f"{node.name}__rest{slot}", dtype=np.int64)
+            shape = gs.Variable(f"{node.name}__shape{slot}", dtype=np.int64)
+            expanded = gs.Variable(f"{node.name}__cache{slot}", dtype=cache.dtype)
+            graph.nodes += [gs.Node("Shape", inputs=[cache], outputs=[rest], attrs={"start": 1}),
+                            gs.Node("Concat", inputs=[batch, rest], outputs=[shape], attrs={"axis": 0}),
+                            gs.Node("Expand", inputs=[cache, shape], outputs=[expanded])]
+            node.inputs[slot] = expanded
+        fixed += 1
+    if fixed:
+        graph.toposort()
+    return fixed
 
 
 def _with_shapes(model: onnx.ModelProto, functions) -> onnx.ModelProto:

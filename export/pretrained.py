@@ -3,12 +3,14 @@
     attnx export --from-pretrained path/to/all-MiniLM-L6-v2 --variant smal
 
 writes ``<name>.onnx`` (inputs ``input_ids``, ``attention_mask``, ``token_type_ids`` where the model
-has them, then the variant's context inputs; outputs ``last_hidden_state`` and, for
-sentence-transformers folders, ``sentence_embedding``; GPT-2: ``logits``), ``<name>.safetensors``
-(the placed model's weights, for ``attnx check``) and ``<name>.tokenizer/`` (the folder's tokenizer
-files). The metadata names the tokenizer folder, the maximum length (sentence-transformers'
-``max_seq_length`` where set: it truncates there, not at the tokenizer file's own limit), the
-truncation side and the pad id. Nothing is left behind when a step fails.
+has them, then the variant's context inputs; outputs by task, :mod:`attnx.pretrained.host`:
+``last_hidden_state`` and, for sentence-transformers folders, ``sentence_embedding``; ``logits`` of
+a causal LM or a classifier), ``<name>.safetensors`` (the placed model's weights, for ``attnx
+check``) and ``<name>.tokenizer/`` (the folder's tokenizer files, ``tokenizer.json`` rewritten
+without the source's fixed padding and with truncation at the export's maximum length). The
+metadata names the tokenizer folder, the maximum length (sentence-transformers' ``max_seq_length``
+where set: it truncates there, not at the tokenizer file's own limit), the truncation side and the
+pad id. Nothing is left behind when a step fails.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def tokenizer_info(folder, max_length: int, directory: str) -> dict:
             "pad_id": int(pad_id), "model_type": folder.model_type}
 
 
-def export_pretrained(source, path: str | Path | None = None, *, variant: str = "mha", layers=None,
-                      append: int | None = None, options: dict | None = None, checkpoint=None,
+def export_pretrained(source, path: str | Path | None = None, *, variant: str | None = None, layers=None,
+                      append: int | None = None, options: dict | None = None, checkpoint=None, task: str | None = None,
                       lowering: str = "plugin", fp16: bool = False, profiles: dict | None = None,
                       folder_out: str | Path = "attnx-out", attention_outputs=None, head_mask: bool = False,
                       progress: Callable[[str], None] | None = None, fuse: bool = True) -> ExportResult:
@@ -65,11 +67,13 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str = 
     from attnx import pretrained
 
     folder = pretrained.read_folder(source)
-    host = pretrained.load(folder, variant, layers=layers, append=append, options=options, checkpoint=checkpoint)
-    path = Path(path) if path is not None else Path(folder_out) / f"{default_name(folder, variant, lowering, fp16)}.onnx"
+    host = pretrained.load(folder, variant, layers=layers, append=append, options=options, checkpoint=checkpoint,
+                           task=task)
+    name = host.variant if variant is None else variant
+    path = Path(path) if path is not None else Path(folder_out) / f"{default_name(folder, name, lowering, fp16)}.onnx"
     if path.suffix.lower() != ".onnx":
         raise ValueError(f"the output must be a .onnx file, got {path.name}")
-    max_length = host.metadata_extra()["max_length"]
+    max_length = host.max_length
     positions = host.max_seq
     if profiles is None:
         profiles = {BATCH: (1, 8, 32), SEQ: (1, min(128, max_length), max_length)}
@@ -78,13 +82,15 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str = 
     tok_dir = path.with_name(f"{path.stem}.tokenizer")
     staging = path.with_name(f".{path.stem}.tokenizer.tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    tokenizer = None
-    if folder.tokenizer_files:
-        staging.mkdir(parents=True)
-        for f in folder.tokenizer_files:
-            shutil.copy2(f, staging / f.name)
-        tokenizer = tokenizer_info(folder, max_length, tok_dir.name)
     try:
+        tokenizer = None
+        if folder.tokenizer_files:
+            tokenizer = tokenizer_info(folder, max_length, tok_dir.name)
+            staging.mkdir(parents=True)
+            for f in folder.tokenizer_files:
+                shutil.copyfile(f, staging / f.name)  # the content, never a link
+            if (staging / "tokenizer.json").is_file():
+                _export_tokenizer_json(staging / "tokenizer.json", max_length, tokenizer["truncation_side"])
         result = export_encoder(host, path, lowering=lowering, fp16=fp16, profiles=profiles, progress=progress,
                                 tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
                                 fuse=fuse)
@@ -94,4 +100,20 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str = 
     if tokenizer is not None:
         shutil.rmtree(tok_dir, ignore_errors=True)
         os.replace(staging, tok_dir)
+    result.notes = list(folder.notes)
     return result
+
+
+def _export_tokenizer_json(path: Path, max_length: int, side: str) -> None:
+    """The source's own padding (all-MiniLM-L6-v2's pads every text to 128) off, truncation at the
+    export's max length: the file says what the model takes, for any tool that reads it."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises its own exception type
+        raise ValueError(f"tokenizer.json: cannot be read by the tokenizers library ({str(e).splitlines()[0][:160]})") \
+            from None
+    tok.no_padding()
+    tok.enable_truncation(max_length, direction=side)
+    tok.save(str(path))

@@ -15,9 +15,10 @@ def model_from_config(config: dict) -> nn.Module:
     """An untrained model of the architecture ``config`` describes (attnx encoders, pretrained hosts,
     and the attention-output wrapper around either)."""
     if config.get("kind") == "pretrained":
-        from attnx.pretrained import host_from_config
+        from attnx.pretrained.host import Host
+        from attnx.pretrained.legacy import host_from_legacy, is_legacy
 
-        model = host_from_config(config)
+        model = host_from_legacy(config) if is_legacy(config) else Host.from_config(config)
     else:
         from attnx.models.build import encoder_from_config
 
@@ -48,5 +49,16 @@ def load_reference(path: str | os.PathLike) -> tuple[nn.Module, ModelInfo]:
         model = model_from_config(info.config)
     except (KeyError, TypeError, ValueError) as e:
         raise ContractError(f"{path}: cannot rebuild the model from its attnx.config ({e})") from None
-    load_checkpoint(getattr(model, "model", model), weights)
+    target = getattr(model, "model", model)
+    from attnx.pretrained.legacy import is_legacy, load_legacy
+
+    if is_legacy(info.config):
+        from safetensors.torch import load_file
+
+        try:
+            load_legacy(target, load_file(str(weights)), info.config["host"])
+        except (KeyError, ValueError) as e:
+            raise ContractError(f"{path}: cannot rebuild its attnx 0.1 reference ({e})") from None
+    else:
+        load_checkpoint(target, weights)
     return model.eval(), info

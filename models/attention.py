@@ -62,27 +62,29 @@ def current_path() -> str:
 class AttentionConfig:
     """Options shared by every variant's attention."""
 
-    d_model: int = 256
+    d_model: int = 256  # the hidden size the layer reads and writes
     n_heads: int = 4
     dropout: float = 0.0  # on the attention pattern, training only
     is_causal: bool = False  # decoder use: key j > query i is masked
     qkv_bias: bool = True
+    head_size: int | None = None  # a host whose heads are not d_model / n_heads wide (Gemma, Qwen3)
 
     def __post_init__(self) -> None:
         if self.d_model <= 0 or self.n_heads <= 0:
             raise ValueError(f"d_model and n_heads must be positive, got {self.d_model} and {self.n_heads}")
-        if self.d_model % self.n_heads:
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.head_size is not None and self.head_size <= 0:
+            raise ValueError(f"head_dim must be positive, got {self.head_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
 
 
 # --------------------------------------------------------------------------- masking
@@ -104,11 +106,28 @@ def mask_bias(attention_mask: torch.Tensor | None, lq: int, lk: int, dtype: torc
     allowed = torch.ones(1, 1, lq if is_causal else 1, lk, dtype=torch.bool, device=device)
     if attention_mask is not None:
         allowed = allowed & attention_mask.bool()[:, None, None, :]  # [B, 1, 1|Lq, Lk]
-    if is_causal:
-        allowed = allowed & torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    row_valid = allowed.any(dim=-1, keepdim=True)  # [B, 1, 1|Lq, 1]
-    return bias, row_valid
+    if is_causal:  # lower-right aligned: the last query sees every key (decoding with a cache)
+        allowed = allowed & torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
+    return bias_from_allowed(allowed, dtype)
+
+
+def bias_from_allowed(allowed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A boolean mask (True = attend; e.g. transformers' ``sdpa_mask``) -> (additive bias, row validity)."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return bias, allowed.any(dim=-1, keepdim=True)
+
+
+@dataclass
+class Mask:
+    """What one attention call knows besides q/k/v: the additive ``bias`` ``[B|1, 1, Lq|1, Lk]`` and
+    ``row_valid`` ``[B|1, 1, Lq|1, 1]`` (None: nothing masked), and the sequence the call came from:
+    ``tokens`` ``[B, Lk]`` (1 = token) and ``hidden``, the attention's input ``[B, Lq, d_model]``, for
+    variants that pool the sequence (maw's policy). Hosts fill what they know; None is "unknown"."""
+
+    bias: torch.Tensor | None = None
+    row_valid: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 def masked_softmax(scores: torch.Tensor, bias: torch.Tensor | None, row_valid: torch.Tensor | None) -> torch.Tensor:
@@ -148,28 +167,56 @@ def merge_heads(z: torch.Tensor) -> torch.Tensor:
     return z.reshape(b, l, h * dh)
 
 
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Grouped-query attention: ``[B, H_kv, L, Dh] -> [B, H, L, Dh]``, kv head j serving query heads
+    ``j * H / H_kv ...`` (transformers' ``repeat_kv``)."""
+    b, h_kv, l, dh = x.shape
+    if h_kv == n_heads:
+        return x
+    return x[:, :, None].expand(b, h_kv, n_heads // h_kv, l, dh).reshape(b, n_heads, l, dh)
+
+
 # --------------------------------------------------------------------------- the module
+
+_WITHOUT_PROJECTIONS: contextvars.ContextVar[bool] = contextvars.ContextVar("attnx_without_projections",
+                                                                            default=False)
+
+
+@contextlib.contextmanager
+def without_projections():
+    """Build attention modules without W_Q/W_K/W_V/W_O: a host that projects q/k/v with its own code
+    (a transformers model, :mod:`attnx.pretrained`) keeps only the variant's own parameters."""
+    token = _WITHOUT_PROJECTIONS.set(True)
+    try:
+        yield
+    finally:
+        _WITHOUT_PROJECTIONS.reset(token)
 
 
 class AttentionBase(nn.Module):
     """Q/K/V/O projections, hook points and the masked attention every variant builds on.
 
-    Hook points (per layer i, under ``blocks.{i}.attn.``): ``hook_q|hook_k|hook_v``
-    ``[B, L, H, Dh]``, ``hook_attn_scores|hook_pattern`` ``[B, H, Lq, Lk]``,
-    ``hook_z`` ``[B, L, H, Dh]``.
-    """
+    A variant implements :meth:`attend` (q, k, v ``[B, H, L, Dh]`` -> z ``[B, H, Lq, Dh]``) and declares
+    its own parameters; ``forward(x, attention_mask, head_mask, **context)`` projects, attends and
+    projects out. A host with its own projections calls :meth:`core` on its q/k/v instead.
 
+    Hook points (per layer i, under ``blocks.{i}.attn.``): ``hook_q|hook_k|hook_v`` ``[B, L, H, Dh]``
+    (k and v with the host's key/value heads under grouped-query attention),
+    ``hook_attn_scores|hook_pattern`` ``[B, H, Lq, Lk]``, ``hook_z`` ``[B, L, H, Dh]``.
+    """
 
     def __init__(self, config: AttentionConfig):
         super().__init__()
         self.config = config
-        d, h = config.d_model, config.n_heads
-        self.n_heads, self.head_dim = h, config.head_dim
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.W_Q = nn.Linear(d, d, bias=config.qkv_bias)
-        self.W_K = nn.Linear(d, d, bias=config.qkv_bias)
-        self.W_V = nn.Linear(d, d, bias=config.qkv_bias)
-        self.W_O = nn.Linear(d, d)
+        d, h, dh = config.d_model, config.n_heads, config.head_dim
+        self.n_heads, self.head_dim = h, dh
+        self.scale = 1.0 / math.sqrt(dh)  # a host may set its own (Gemma's query_pre_attn_scalar)
+        self.softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2), set by a host
+        if not _WITHOUT_PROJECTIONS.get():
+            self.W_Q = nn.Linear(d, h * dh, bias=config.qkv_bias)
+            self.W_K = nn.Linear(d, h * dh, bias=config.qkv_bias)
+            self.W_V = nn.Linear(d, h * dh, bias=config.qkv_bias)
+            self.W_O = nn.Linear(h * dh, d)
         self.dropout = nn.Dropout(config.dropout)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_scores, self.hook_pattern, self.hook_z = HookPoint(), HookPoint(), HookPoint()
@@ -214,45 +261,37 @@ class AttentionBase(nn.Module):
 
     @property
     def explicit(self) -> bool:
-        """True when this layer must form scores and pattern explicitly: a hook observes them,
-        or the reference path runs."""
-        return self.hook_attn_scores.active or self.hook_pattern.active or current_path() == "reference"
+        """True when this layer must form scores and pattern explicitly: a hook observes them, the
+        reference path runs, or the logits are soft-capped (no fused kernel does that)."""
+        return (self.hook_attn_scores.active or self.hook_pattern.active or current_path() == "reference"
+                or self.softcap is not None)
+
+    # ---- the attention ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                head_mask: torch.Tensor | None = None, **context) -> torch.Tensor:
+        """x ``[B, L, d_model]`` -> ``[B, L, d_model]``."""
+        self.validate(x, attention_mask, **context)
+        q, k, v = self.project(x)  # [B, H, L, Dh]
+        mask = self.mask(attention_mask, x.shape[1], x.shape[1], q.dtype, hidden=x)
+        return self.W_O(merge_heads(self.core(q, k, v, mask, head_mask, **context)))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x ``[B, L, D]`` -> q, k, v ``[B, H, L, Dh]`` (through the hook points)."""
+        """x ``[B, L, D]`` -> q, k, v ``[B, H, L, Dh]``."""
         h = self.n_heads
-        q = self.hook_q(split_heads(self.W_Q(x), h)).transpose(1, 2)
-        k = self.hook_k(split_heads(self.W_K(x), h)).transpose(1, 2)
-        v = self.hook_v(split_heads(self.W_V(x), h)).transpose(1, 2)
-        return q, k, v
+        return tuple(split_heads(w(x), h).transpose(1, 2) for w in (self.W_Q, self.W_K, self.W_V))
 
-    def mask(self, attention_mask, lq: int, lk: int, dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return mask_bias(attention_mask, lq, lk, dtype, self.config.is_causal,
-                         device=None if attention_mask is None else attention_mask.device)
+    def mask(self, attention_mask, lq: int, lk: int, dtype, hidden=None) -> Mask:
+        bias, row_valid = mask_bias(attention_mask, lq, lk, dtype, self.config.is_causal,
+                                    device=None if attention_mask is None else attention_mask.device)
+        return Mask(bias, row_valid, attention_mask, hidden)
 
-    def attend(self, scores: torch.Tensor, v: torch.Tensor, bias, row_valid) -> torch.Tensor:
-        """Explicit path: scores ``[B, H, Lq, Lk]`` -> z ``[B, H, Lq, Dh]``."""
-        scores = self.hook_attn_scores(scores)
-        pattern = self.hook_pattern(masked_softmax(scores, bias, row_valid))
-        return self.dropout(pattern) @ v
-
-    def attend_fused(self, q, k, v, bias, row_valid, *, extra_bias=None, scale=None) -> torch.Tensor:
-        """Fused path (one ONNX ``Attention`` node): softmax(q k^T * scale + bias + extra_bias) v.
-
-        Masks stay broadcast (``[B, 1, 1, Lk]``, a per-key bias ``[B, H, 1, Lk]``) in PyTorch. In an
-        exported graph the key-padding mask is expanded to ``[B, 1, Lq, Lk]`` (ONNX Runtime's
-        ``Attention`` refuses a broadcast query axis), never to ``[B, H, Lq, Lk]``: variants fold
-        per-key biases into q/k before they get here when exporting."""
-        attn_mask = bias if extra_bias is None else (extra_bias if bias is None else _no_overflow(bias + extra_bias))
-        if attn_mask is not None and torch.compiler.is_exporting() and attn_mask.shape[-2] == 1:
-            attn_mask = attn_mask.expand(*attn_mask.shape[:-2], q.shape[-2], attn_mask.shape[-1])
-        z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale if scale is None else scale,
-                                           dropout_p=self.config.dropout if self.training else 0.0)
-        return z if row_valid is None else z * row_valid.to(z.dtype)
-
-    def output(self, z: torch.Tensor, head_mask: torch.Tensor | None) -> torch.Tensor:
-        """z ``[B, H, L, Dh]`` -> ``[B, L, D]``: hook_z, per-head mask, then W_O."""
-        z = self.hook_z(z.transpose(1, 2))  # [B, L, H, Dh]
+    def core(self, q, k, v, mask: Mask, head_mask: torch.Tensor | None = None, **context) -> torch.Tensor:
+        """The attention between the projections: q ``[B, H, Lq, Dh]``, k/v ``[B, H|H_kv, Lk, Dh]`` ->
+        z ``[B, Lq, H, Dh]`` (through the hook points, the variant's :meth:`attend`, the head mask)."""
+        q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)
+        k = repeat_kv(self.hook_k(k.transpose(1, 2)).transpose(1, 2), self.n_heads)
+        v = repeat_kv(self.hook_v(v.transpose(1, 2)).transpose(1, 2), self.n_heads)
+        z = self.hook_z(self.attend(q, k, v, mask, **context).transpose(1, 2))  # [B, L, H, Dh]
         if head_mask is not None:
             hm = head_mask.to(z.dtype)
             if hm.dim() == 1:  # [H]
@@ -264,4 +303,31 @@ class AttentionBase(nn.Module):
             if hm.shape[2] != self.n_heads:
                 raise ValueError(f"head_mask: expected {self.n_heads} heads, got shape {list(head_mask.shape)}")
             z = z * hm
-        return self.W_O(merge_heads(z))
+        return z
+
+    def attend(self, q, k, v, mask: Mask, **context) -> torch.Tensor:
+        """The variant's attention: q, k, v ``[B, H, L, Dh]`` -> z ``[B, H, Lq, Dh]``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement attend(q, k, v, mask, **context)")
+
+    def attend_explicit(self, scores: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """Explicit path: scores ``[B, H, Lq, Lk]`` -> z ``[B, H, Lq, Dh]``."""
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = self.hook_attn_scores(scores)
+        pattern = self.hook_pattern(masked_softmax(scores, mask.bias, mask.row_valid))
+        return self.dropout(pattern) @ v
+
+    def attend_fused(self, q, k, v, mask: Mask, *, extra_bias=None, scale=None) -> torch.Tensor:
+        """Fused path (one ONNX ``Attention`` node): softmax(q k^T * scale + bias + extra_bias) v.
+
+        Masks stay broadcast (``[B, 1, 1, Lk]``, a per-key bias ``[B, H, 1, Lk]``) in PyTorch. In an
+        exported graph the key-padding mask is expanded to ``[B, 1, Lq, Lk]`` (ONNX Runtime's
+        ``Attention`` refuses a broadcast query axis), never to ``[B, H, Lq, Lk]``: variants fold
+        per-key biases into q/k before they get here when exporting."""
+        bias = mask.bias
+        attn_mask = bias if extra_bias is None else (extra_bias if bias is None else _no_overflow(bias + extra_bias))
+        if attn_mask is not None and torch.compiler.is_exporting() and attn_mask.shape[-2] == 1:
+            attn_mask = attn_mask.expand(*attn_mask.shape[:-2], q.shape[-2], attn_mask.shape[-1])
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale if scale is None else scale,
+                                           dropout_p=self.dropout.p if self.training else 0.0)
+        return z if mask.row_valid is None else z * mask.row_valid.to(z.dtype)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnx.models.attention import AttentionBase, AttentionConfig
+from attnx.models.attention import AttentionBase, AttentionConfig, Mask
 from attnx.models.signature import InputSpec, check_choice
 from attnx.models.spec import Placement, VariantSpec, register
 
@@ -76,15 +76,11 @@ class CulturalAttention(AttentionBase):
             return self.lam.view(1, 1, 1, 1)
         return self.lam_mlp(c)[:, :, None, None]
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                head_mask: torch.Tensor | None = None, *, cultural: torch.Tensor) -> torch.Tensor:
-        self.validate(x, attention_mask, cultural=cultural)
-        b, l, _ = x.shape
-        h, dh = self.n_heads, self.head_dim
-        q, k, v = self.project(x)  # [B, H, L, Dh]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, *,
+               cultural: torch.Tensor) -> torch.Tensor:
+        b, h, l, dh = q.shape
         c_proj = self.W_C(cultural).view(b, h, dh, 1)  # c' per head, [B, H, Dh, 1]
         lam = self.lambda_(cultural)
-        bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
 
         key_mode = self.config.bias_mode == "key"
         if self.explicit:
@@ -93,12 +89,12 @@ class CulturalAttention(AttentionBase):
                 scores = scores + lam * (k @ c_proj).transpose(-1, -2) * self.scale  # [B, H, 1, Lk] per key
             elif not torch.compiler.is_exporting():
                 scores = scores + lam * (q @ c_proj)  # [B, H, Lq, 1], the seed's literal formula
-            z = self.attend(scores, v, bias, row_valid)
+            z = self.attend_explicit(scores, v, mask)
         else:
             # key: (q_i + lam c') . k_j s = q_i . k_j s + lam (k_j . c') s, the bias folded into the queries
             # (no [B, H, L, L] term); query: constant over keys, so softmax removes it (the graph omits it).
             q_eff = q + lam * c_proj.view(b, h, 1, dh) if key_mode else q
-            z = self.attend_fused(q_eff, k, v, bias, row_valid)
+            z = self.attend_fused(q_eff, k, v, mask)
 
         if self.config.fusion == "gated":
             c_heads = c_proj.view(b, h, 1, dh).expand(b, h, l, dh)
@@ -106,9 +102,9 @@ class CulturalAttention(AttentionBase):
             g = torch.sigmoid(torch.einsum("bhli,hio->bhlo", gate_in, self.W_g) + self.b_g[None, :, None, :])
             c_value = self.C_f(cultural).view(b, h, 1, dh)  # value-space cultural vector
             z = g * z + (1.0 - g) * c_value
-            if row_valid is not None:
-                z = z * row_valid.to(z.dtype)
-        return self.output(z, head_mask)
+            if mask.row_valid is not None:
+                z = z * mask.row_valid.to(z.dtype)
+        return z
 
 
 #: A gate bias at which sigmoid rounds to exactly 1 in fp32 and fp16 (the gate fully open).

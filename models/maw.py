@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnx.models.attention import AttentionBase, AttentionConfig, masked_mean, masked_softmax
+from attnx.models.attention import AttentionBase, AttentionConfig, Mask, masked_mean, masked_softmax
 from attnx.models.signature import check_choice
 from attnx.models.spec import CustomOp, ExtraOutput, Placement, VariantSpec, register
 
@@ -147,37 +147,37 @@ class MawAttention(AttentionBase):
     def policy_logits(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         return self.policy(masked_mean(x, attention_mask))  # [B, d]
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None, head_mask: Tensor | None = None) -> Tensor:
-        self.validate(x, attention_mask)
-        b, l, _ = x.shape
-        q, k, v = self.project(x)  # [B, H, L, Dh]
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+        if mask.hidden is None:
+            raise ValueError("maw pools the attention's input sequence for its policy: the host must pass it "
+                             "(Mask.hidden)")
         q_depth, k_depth = self.depth_projections(q, k)  # [B, H, L, d]
-        pooled = masked_mean(x, attention_mask)  # [B, D]
+        pooled = masked_mean(mask.hidden, mask.tokens)  # [B, D]
         logits_pi = self.policy(pooled)  # [B, d]
-        bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
 
         if self.training:
             w = F.gumbel_softmax(logits_pi, tau=self.config.tau, hard=self.config.hard)  # [B, d]
             scores = ((q_depth * w[:, None, None, :]) @ k_depth.transpose(-1, -2)) * self.scale  # = sum_t w_t A5_t
             self.last_depth = w.argmax(-1)
             # Rewards average over real query tokens only (padded query rows carry no meaning).
-            reward_rows = row_valid if attention_mask is None else row_valid & attention_mask.bool()[:, None, :, None]
-            self.aux_loss = self.grpo_loss(logits_pi, pooled, q_depth, k_depth, bias, reward_rows)
-            return self.output(self.attend(scores, v, bias, row_valid), head_mask)
+            reward_rows = mask.row_valid
+            if mask.tokens is not None and mask.row_valid is not None:
+                lq = q.shape[2]
+                reward_rows = reward_rows & mask.tokens.bool()[:, None, -lq:, None]
+            self.aux_loss = self.grpo_loss(logits_pi, pooled, q_depth, k_depth, mask.bias, reward_rows)
+            return self.attend_explicit(scores, v, mask)
 
         q_sel, k_sel, depth = maw_depth_gather(q_depth, k_depth, logits_pi)  # [B, H, L, 1], [B]
         self.last_depth, self.aux_loss = depth, None  # read as the maw_depth output (in exported graphs too)
         if not torch.compiler.is_exporting():
             self.last_policy_logits = logits_pi.detach()
         if self.explicit:
-            z = self.attend((q_sel * self.scale) @ k_sel.transpose(-1, -2), v, bias, row_valid)
-        else:
-            # Attention over the selected columns with the scale of Dh. They are zero-padded to V's head
-            # size (exact: the zeros add nothing to q.k) because TensorRT's attention and torch's fused
-            # CPU kernel both want equal q/k/v head sizes.
-            pad = (0, self.head_dim - 1)
-            z = self.attend_fused(F.pad(q_sel, pad), F.pad(k_sel, pad), v, bias, row_valid)
-        return self.output(z, head_mask)
+            return self.attend_explicit((q_sel * self.scale) @ k_sel.transpose(-1, -2), v, mask)
+        # Attention over the selected columns with the scale of Dh. They are zero-padded to V's head
+        # size (exact: the zeros add nothing to q.k) because TensorRT's attention and torch's fused
+        # CPU kernel both want equal q/k/v head sizes.
+        pad = (0, self.head_dim - 1)
+        return self.attend_fused(F.pad(q_sel, pad), F.pad(k_sel, pad), v, mask)
 
     def grpo_loss(self, logits_pi, pooled, q_depth, k_depth, bias, row_valid) -> Tensor:
         """Group-relative policy loss + value loss (see module docstring)."""

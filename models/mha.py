@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnx.models.attention import AttentionBase, AttentionConfig
+from attnx.models.attention import AttentionBase, AttentionConfig, Mask
 from attnx.models.spec import Placement, VariantSpec, register
 
 
@@ -26,20 +26,10 @@ class MhaConfig(AttentionConfig):
 
 
 class MultiHeadAttention(AttentionBase):
-    def __init__(self, config: MhaConfig):
-        super().__init__(config)
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                head_mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.validate(x, attention_mask)
-        b, l, _ = x.shape
-        q, k, v = self.project(x)  # [B, H, L, Dh]
-        bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
         if self.explicit:
-            z = self.attend(q @ k.transpose(-1, -2) * self.scale, v, bias, row_valid)
-        else:
-            z = self.attend_fused(q, k, v, bias, row_valid)
-        return self.output(z, head_mask)
+            return self.attend_explicit(q @ k.transpose(-1, -2) * self.scale, v, mask)
+        return self.attend_fused(q, k, v, mask)
 
 
 SPEC = register(VariantSpec(

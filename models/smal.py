@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnx.models.attention import AttentionBase, AttentionConfig, current_path
+from attnx.models.attention import AttentionBase, AttentionConfig, Mask, current_path
 from attnx.models.signature import InputSpec, check_choice
 from attnx.models.spec import CustomOp, Placement, VariantSpec, register
 
@@ -137,38 +137,32 @@ class SelfModulatedAttention(AttentionBase):
             trace = trace.unsqueeze(0).expand(batch, *want)
         return trace if per_head else trace.unsqueeze(1)
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None, head_mask: Tensor | None = None, *,
-                self_state: Tensor, trace: Tensor) -> Tensor:
-        self.validate(x, attention_mask, self_state=self_state, trace=trace)
-        b, l, _ = x.shape
-        q, k, v = self.project(x)  # [B, H, L, Dh]
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, self_state: Tensor, trace: Tensor) -> Tensor:
+        b = q.shape[0]
         T = self.trace_heads(trace, b).to(q.dtype)  # [B, 1|H, Dh, Dh]
         beta = torch.sigmoid(self.self_gate(self_state)).view(b, 1, 1, 1)  # [B, 1, 1, 1]
         gb = self.gamma * beta
         tta = self.config.mode == "tta"
-        bias, row_valid = self.mask(attention_mask, l, l, q.dtype)
 
         if self.explicit or current_path() == "plugin":
             D = tta_distance(q, k, T)  # [B, H, Lq, Lk]
             scores = -D if tta else q @ k.transpose(-1, -2) * self.scale - gb * D
-            z = self.attend(scores, v, bias, row_valid)
-        else:
-            T_sym = T + T.transpose(-1, -2)
-            eye = torch.eye(self.head_dim, dtype=q.dtype, device=q.device)
-            M = T_sym if tta else eye * self.scale + gb * T_sym  # [B, 1|H, Dh, Dh]
-            kTk = ((k @ T) * k).sum(-1, keepdim=True)  # [B, H, Lk, 1]
-            key_bias = -kTk if tta else -gb * kTk
-            if torch.compiler.is_exporting():
-                # ONNX Runtime's Attention takes no broadcast per-key bias: fold it into one more q/k
-                # column, [q M, 1] . [k, bias] = q M k^T + bias; V gets a zero column too (TensorRT's
-                # attention wants equal head sizes), dropped from the result.
-                q_aug = torch.cat([q @ M, torch.ones_like(q[..., :1])], dim=-1)
-                k_aug = torch.cat([k, key_bias], dim=-1)
-                v_aug = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
-                z = self.attend_fused(q_aug, k_aug, v_aug, bias, row_valid, scale=1.0)[..., :-1]
-            else:  # the per-key bias stays [B, H, 1, Lk], broadcast inside SDPA
-                z = self.attend_fused(q @ M, k, v, bias, row_valid, extra_bias=key_bias.transpose(-1, -2), scale=1.0)
-        return self.output(z, head_mask)
+            return self.attend_explicit(scores, v, mask)
+        T_sym = T + T.transpose(-1, -2)
+        eye = torch.eye(self.head_dim, dtype=q.dtype, device=q.device)
+        M = T_sym if tta else eye * self.scale + gb * T_sym  # [B, 1|H, Dh, Dh]
+        kTk = ((k @ T) * k).sum(-1, keepdim=True)  # [B, H, Lk, 1]
+        key_bias = -kTk if tta else -gb * kTk
+        if torch.compiler.is_exporting():
+            # ONNX Runtime's Attention takes no broadcast per-key bias: fold it into one more q/k
+            # column, [q M, 1] . [k, bias] = q M k^T + bias; V gets a zero column too (TensorRT's
+            # attention wants equal head sizes), dropped from the result.
+            q_aug = torch.cat([q @ M, torch.ones_like(q[..., :1])], dim=-1)
+            k_aug = torch.cat([k, key_bias], dim=-1)
+            v_aug = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
+            return self.attend_fused(q_aug, k_aug, v_aug, mask, scale=1.0)[..., :-1]
+        # the per-key bias stays [B, H, 1, Lk], broadcast inside SDPA
+        return self.attend_fused(q @ M, k, v, mask, extra_bias=key_bias.transpose(-1, -2), scale=1.0)
 
 
 def _neutral(attn: SelfModulatedAttention) -> None:

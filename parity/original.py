@@ -14,8 +14,10 @@ the original model:
 
 Otherwise one line says why, and the export is compared with attnx's torch reference only.
 
-:class:`OriginalRunner` is that model as a Polygraphy runner: ``transformers``' ``BertModel``
-(``last_hidden_state``) or ``GPT2LMHeadModel`` (``logits``), or for sentence-transformers folders
+:class:`OriginalRunner` is that model as a Polygraphy runner: transformers' own class for the
+export's task (``AutoModel``: ``last_hidden_state``; ``AutoModelForCausalLM`` /
+``AutoModelForSequenceClassification``: ``logits``) with its ``eager`` attention, positions derived
+from the mask for a causal model (as ``generate`` does), or for sentence-transformers folders
 ``SentenceTransformer(folder)``: ``sentence_embedding`` from ``encode(texts)`` on the raw texts (its
 own tokenisation, so a tokenizer that disagrees with the export's shows), ``last_hidden_state`` from
 its transformer module on the export's token ids. Loaded offline, in fp32, on the CPU.
@@ -59,7 +61,7 @@ def _host(model):
 def _neutralize(host) -> None:
     import torch
 
-    from attnx.pretrained.host import AppendedBlock, make_neutral
+    from attnx.pretrained.placing import AppendedBlock, make_neutral
 
     for block in host.blocks:
         if isinstance(block, AppendedBlock):
@@ -92,7 +94,7 @@ def neutral_decision(model, fresh) -> tuple[bool, str]:
     if changed is not None:
         return False, f"its pretrained weights differ from the folder's ({changed}): fine-tuned, or another model"
     if host.placement.variant != "mha" or host.placement.append:
-        from attnx.pretrained.host import AppendedBlock
+        from attnx.pretrained.placing import AppendedBlock
 
         # Appended layers are residual branches, neutral at a zero output projection whatever the
         # variant; only a variant that replaces a pretrained attention needs neutral values of its own.
@@ -136,8 +138,11 @@ def plan_original(model, config: dict, override: str | os.PathLike | None = None
     placement = _host(model).placement
     try:
         folder = pretrained.read_folder(path)
+        host = _host(model)
+        if folder.placement is not None:  # saved from a placed, trained model: that model is the original
+            return _plan_trained(model, folder, path, skip)
         fresh = pretrained.load(folder, placement.variant, layers=placement.layers, append=placement.append,
-                                options=placement.options)
+                                options=placement.options, task=getattr(host, "task", None))
     except (OSError, ValueError, KeyError, TypeError) as e:
         return skip(f"the source folder {path} cannot be read ({' '.join(str(e).split())[:200]})")
     neutral, why = neutral_decision(model, fresh)
@@ -150,6 +155,26 @@ def plan_original(model, config: dict, override: str | os.PathLike | None = None
     library = _library(folder)
     return OriginalPlan(str(path), True, f"compared with the original model ({library}) loaded from {path}",
                         library, neutral=True)
+
+
+def _plan_trained(model, folder, path: Path, skip) -> OriginalPlan:
+    """A folder saved by ``save_pretrained`` of a placed model: compare with that trained model (transformers'
+    own model with the saved placement and weights) when the export's weights are its weights."""
+    import torch
+
+    from attnx import pretrained
+
+    host = _host(model)
+    trained = pretrained.load(folder, task=getattr(host, "task", None))
+    mine, theirs = host.state_dict(), trained.state_dict()
+    keys = set(theirs) - {f"hf.{n}" for n in getattr(trained.hf, "attnx_initialized", ())}
+    if set(mine) != set(theirs) or any(not torch.equal(mine[k], theirs[k]) for k in keys):
+        return skip(f"the export's weights are not those of the trained model saved in {path}")
+    import transformers
+
+    library = f"transformers {transformers.__version__} + its saved {trained.variant} placement"
+    return OriginalPlan(str(path), True, f"compared with the trained model ({library}) loaded from {path}",
+                        library, neutral=False)
 
 
 def _library(folder) -> str:
@@ -173,13 +198,17 @@ class OriginalRunner(_base_runner()):
     the texts of a batch (for ``SentenceTransformer.encode``)."""
 
     def __init__(self, source: str | os.PathLike, inputs: Sequence[TensorEntry], texts_of: Callable,
-                 name: str = "original"):
+                 name: str = "original", task: str = "feature-extraction"):
         super().__init__(name=name, prefix="original-model")
         self.source = Path(source)
+        self.task = task
+        self.all_inputs = list(inputs)  # a trained placed model takes the context inputs too
         self.inputs = [e for e in inputs if e.role in (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS)]
+        self.placed = None
         self.ids_name = next(e.name for e in self.inputs if e.role == Role.INPUT_IDS)
         self.texts_of = texts_of
         self.st = self.hf = None
+        self.derive_positions = False
 
     def activate_impl(self):
         if self.hf is None:
@@ -189,48 +218,71 @@ class OriginalRunner(_base_runner()):
         pass  # kept loaded between activations (one check activates it once per batch)
 
     def _load(self) -> None:
+        import inspect
+
         import torch
         import transformers
 
         from attnx import pretrained
+        from attnx.pretrained.host import TASKS
 
         folder = pretrained.read_folder(self.source)
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        kwargs = {"local_files_only": True, "dtype": torch.float32}
-        if folder.sentence_transformer is not None:
+        if folder.placement is not None:  # the trained placed model itself (see _plan_trained)
+            self.placed = self.hf = pretrained.load(folder, task=self.task)
+            self.inputs = self.all_inputs
+            return
+        kwargs = {"local_files_only": True, "dtype": torch.float32, "trust_remote_code": False,
+                  "attn_implementation": "eager"}
+        if folder.sentence_transformer is not None and self.task == "feature-extraction":
             from sentence_transformers import SentenceTransformer
 
             self.st = SentenceTransformer(str(self.source), device="cpu", local_files_only=True,
-                                          trust_remote_code=False, model_kwargs={"dtype": torch.float32})
+                                          trust_remote_code=False, model_kwargs=kwargs)
             self.hf = self.st[0].auto_model.eval()
-        elif folder.model_type == "gpt2":
-            self.hf = transformers.GPT2LMHeadModel.from_pretrained(str(self.source), **kwargs).eval()
         else:
-            self.hf = transformers.BertModel.from_pretrained(str(self.source), add_pooling_layer=False,
-                                                             **kwargs).eval()
+            self.hf = getattr(transformers, TASKS[self.task]).from_pretrained(str(self.source), **kwargs).eval()
+        params = inspect.signature(self.hf.forward).parameters
+        # a causal model's positions come from the mask, as transformers' generate gives them
+        self.derive_positions = "position_ids" in params and any(getattr(m, "is_causal", False) is True
+                                                                 for m in self.hf.modules())
+        self.takes_token_types = "token_type_ids" in params
 
     def get_input_metadata_impl(self):
         from polygraphy.common import TensorMetadata
 
         meta = TensorMetadata()
         for e in self.inputs:
-            meta.add(e.name, dtype=np.dtype(e.dtype), shape=[None, None])
+            meta.add(e.name, dtype=np.dtype(e.dtype), shape=[None] * len(e.shape))
         return meta
 
     def infer_impl(self, feed_dict):
         import torch
 
+        from attnx.pretrained.host import positions_from_mask
+
         start = time.perf_counter()
+        if self.placed is not None:
+            with torch.no_grad():
+                out = self.placed.forward_named({e.name: torch.from_numpy(np.ascontiguousarray(feed_dict[e.name]))
+                                                 for e in self.inputs if e.name in feed_dict})
+            self.inference_time = time.perf_counter() - start
+            return OrderedDict((k, v.float().numpy() if v.is_floating_point() else v.numpy()) for k, v in out.items())
         by_role = {e.role: torch.from_numpy(np.ascontiguousarray(feed_dict[e.name])) for e in self.inputs}
         ids, mask = by_role[Role.INPUT_IDS], by_role.get(Role.ATTENTION_MASK)
+        kwargs = {"input_ids": ids, "attention_mask": mask}
+        if self.takes_token_types and Role.TOKEN_TYPE_IDS in by_role:
+            kwargs["token_type_ids"] = by_role[Role.TOKEN_TYPE_IDS]
+        if self.derive_positions and mask is not None:
+            kwargs["position_ids"] = positions_from_mask(mask)
         out: OrderedDict[str, np.ndarray] = OrderedDict()
         with torch.no_grad():
-            if isinstance(self.hf, _gpt2_class()):
-                out["logits"] = self.hf(input_ids=ids, attention_mask=mask).logits.float().numpy()
+            result = self.hf(**kwargs)
+            if self.task == "feature-extraction":
+                out["last_hidden_state"] = result.last_hidden_state.float().numpy()
             else:
-                hidden = self.hf(input_ids=ids, attention_mask=mask, token_type_ids=by_role.get(Role.TOKEN_TYPE_IDS))
-                out["last_hidden_state"] = hidden.last_hidden_state.float().numpy()
+                out["logits"] = result.logits.float().numpy()
             if self.st is not None:
                 texts = self.texts_of(feed_dict[self.ids_name])
                 out["sentence_embedding"] = np.asarray(
@@ -238,9 +290,3 @@ class OriginalRunner(_base_runner()):
                                    show_progress_bar=False), dtype=np.float32)
         self.inference_time = time.perf_counter() - start
         return out
-
-
-def _gpt2_class():
-    import transformers
-
-    return transformers.GPT2LMHeadModel

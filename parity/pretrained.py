@@ -101,7 +101,9 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
         runner_info.append({"name": REFERENCE64, "kind": "pytorch float64", "path": runner_info[0]["path"]})
     texts_by_ids: dict[bytes, list[str]] = {}
     if plan.used:
-        runners.append(OriginalRunner(plan.source, info.inputs, lambda ids: texts_by_ids[_key(ids)], name=ORIGINAL))
+        runners.append(OriginalRunner(plan.source, info.inputs, lambda ids: texts_by_ids[_key(ids)], name=ORIGINAL,
+                                      task=info.config.get("task", "causal-lm" if info.config.get("host") == "gpt2"
+                                                           else "feature-extraction")))
         runner_info.append({"name": ORIGINAL, "kind": plan.library, "path": plan.source})
     runners.append(onnxrt_runner(model_path, ort_name))
     runner_info.append({"name": ort_name, "kind": "onnxruntime", "path": str(model_path), "given": True})
@@ -150,7 +152,7 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
     ordered = sorted(comparisons.values(), key=lambda c: (order.get(c.runner, 9), c.reference != ORIGINAL))
     return TextParityReport(
         model=model_path, variant=info.variant, precision=precision, lowering=info.lowering,
-        host=str(info.config.get("host")), placement=dict(info.config.get("placement") or {}),
+        host=str(info.config.get("architecture") or info.config.get("host")), placement=dict(info.config.get("placement") or {}),
         texts=_texts_json(texts, encoded, left_out), tokenizer=tokenizer.to_json(), original=plan.to_json(),
         runners=runner_info, comparisons=ordered, engine=engine_info, notes=notes,
         seconds=time.monotonic() - started, model_sha256=model_sha, batches=[list(c.indices) for c in cases])

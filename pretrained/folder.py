@@ -1,42 +1,58 @@
-"""Read a local Hugging Face model folder, offline and safely.
+"""Read a local Hugging Face model folder, offline and safely (a stranger's folder runs no code and
+reads nothing outside itself).
 
 What a folder may hold, and what attnx reads of it:
 
-- ``config.json`` (through ``transformers.AutoConfig`` with ``local_files_only``, so every field a
-  user's transformers would default is defaulted the same way);
-- weights: ``model.safetensors`` (or a sharded ``model.safetensors.index.json``), else
-  ``pytorch_model.bin`` loaded with ``torch.load(weights_only=True)`` (no pickled code runs);
+- ``config.json``: its numbers are checked against sane limits first (one line each, before
+  anything is built), then read through ``transformers.AutoConfig`` (``local_files_only``, never
+  remote code: an ``auto_map`` is ignored, and :attr:`HFFolder.notes` says so);
+- weights: ``model.safetensors``, a sharded ``model.safetensors.index.json`` (every shard a file of
+  the folder itself), or ``pytorch_model.bin`` (loaded with ``weights_only``: no pickled code runs);
+  every weight must be a float tensor (an int8 or bool one is refused, not silently cast);
 - the tokenizer files (``tokenizer.json`` and friends), which travel beside an export;
 - for sentence-transformers folders: ``modules.json``, the pooling module's ``config.json``
   (e.g. ``1_Pooling/config.json``), a ``Normalize`` module, ``sentence_bert_config.json``
   (``max_seq_length``: sentence-transformers truncates there, not at the tokenizer's own limit).
 
-Every problem is one ``ValueError``/``FileNotFoundError`` naming the file, key and expected shape.
+A file that is a link leaving the folder is refused (a Hugging Face cache snapshot's links into its
+own ``blobs/`` are the one exception). Every problem is one ``ValueError``/``FileNotFoundError``
+naming the file, key and expected value.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-#: model_type -> the host that runs it (attnx.pretrained.<host>).
-SUPPORTED_MODEL_TYPES = ("bert", "gpt2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
-                   "vocab.json", "merges.txt")
+                   "vocab.json", "merges.txt", "tokenizer.model", "sentencepiece.bpe.model", "spiece.model",
+                   "added_tokens.json", "chat_template.jinja")
 POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                 "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len"}
+                 "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+                 "pooling_mode_lasttoken": "lasttoken"}
+#: config.json keys (any of a family's names for them) and the largest value attnx accepts.
+LIMITS = {("num_hidden_layers", "n_layer", "n_layers", "num_layers"): 1024,
+          ("hidden_size", "n_embd", "d_model", "dim"): 65536,
+          ("num_attention_heads", "n_head", "n_heads"): 1024,
+          ("num_key_value_heads",): 1024,
+          ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim"): 1 << 20,
+          ("vocab_size",): 1 << 23,
+          ("max_position_embeddings", "n_positions"): 1 << 24,
+          ("head_dim",): 4096}
+#: Integer tensors a checkpoint may hold (index buffers), by name ending.
+_INTEGER_OK = ("position_ids", "token_type_ids", "_ids")
+_NO_LIMIT = 1_000_000  # transformers' "no limit" placeholder for model_max_length is far above this
 
 
 @dataclass
 class SentenceTransformerInfo:
     """What a sentence-transformers folder adds on top of the transformer: pooling and normalisation."""
 
-    pooling: str  # cls | mean | max | mean_sqrt_len
+    pooling: str  # cls | mean | max | mean_sqrt_len | lasttoken
     normalize: bool
     max_seq_length: int | None
 
@@ -50,10 +66,35 @@ class HFFolder:
     config: dict  # config.json with transformers' defaults filled in
     sentence_transformer: SentenceTransformerInfo | None = None
     tokenizer_files: list[Path] = field(default_factory=list)
+    weights: list[Path] = field(default_factory=list)  # the checkpoint files, checked to be inside the folder
+    notes: list[str] = field(default_factory=list)  # one line each, for the user (e.g. auto_map ignored)
 
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type"))
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(self.config.get("architectures") or [])
+
+    @property
+    def placement(self) -> dict | None:
+        """The placement recorded by ``save_pretrained`` of a placed model (None for a plain folder)."""
+        attnx = self.config.get("attnx")
+        return attnx.get("placement") if isinstance(attnx, dict) else None
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest input to tokenise: sentence-transformers' ``max_seq_length``, else the tokenizer's
+        ``model_max_length`` (None: the model's positions decide)."""
+        if self.sentence_transformer is not None and self.sentence_transformer.max_seq_length:
+            return self.sentence_transformer.max_seq_length
+        cfg = self.path / "tokenizer_config.json"
+        if cfg.is_file():
+            value = _json(cfg).get("model_max_length")
+            if isinstance(value, (int, float)) and 0 < value < _NO_LIMIT:
+                return int(value)
+        return None
 
     @property
     def name(self) -> str:
@@ -61,10 +102,8 @@ class HFFolder:
         snapshot (``models--org--name/snapshots/<hash>``), or the README's title for a folder named
         generically (``model``, as packaged copies are)."""
         path = self.path.resolve()
-        if len(path.name) == 40 and all(c in "0123456789abcdef" for c in path.name):
-            repo = path.parent.parent.name
-            if repo.startswith("models--"):
-                return repo.split("--")[-1]
+        if _is_snapshot(path):
+            return path.parent.parent.name.split("--")[-1]
         if path.name.lower() in ("model", "models", "weights", "checkpoint") and (path / "README.md").is_file():
             for line in (path / "README.md").read_text(errors="replace").splitlines():
                 title = line[2:].strip() if line.startswith("# ") else ""
@@ -72,35 +111,80 @@ class HFFolder:
                     return title
         return path.name
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return read_weights(self.path)
-
 
 def read_folder(path: str | os.PathLike) -> HFFolder:
-    """Read ``config.json``, the tokenizer file list and the sentence-transformers modules of ``path``."""
+    """Read and check ``path`` (see the module doc); nothing is built or loaded yet."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"no model folder at {folder}")
-    if not (folder / "config.json").is_file():
+    config_path = folder / "config.json"
+    if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"{folder / 'config.json'}: not valid JSON ({e})") from None
+    inside(folder, config_path)
+    raw = _json(config_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: expected a JSON object")
+    notes = []
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{folder / 'config.json'}: model_type {model_type!r} is not supported; attnx loads "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (BERT-family encoders and GPT-2)")
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        remote = " (its auto_map names remote code, which attnx never runs)" if "auto_map" in raw else ""
+        raise ValueError(f"{config_path}: model_type {model_type!r} is not a transformers family{remote}")
+    if "auto_map" in raw:
+        notes.append(f"config.json's auto_map (remote code) is ignored: attnx runs transformers' own "
+                     f"{model_type} code")
+    check_limits(raw, config_path)
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True).to_dict()
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False).to_dict()
     except Exception as e:  # transformers raises many types; one line is what the user needs
-        raise ValueError(f"{folder / 'config.json'}: transformers cannot read it ({type(e).__name__}: "
+        raise ValueError(f"{config_path}: transformers cannot read it ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]})") from None
     config["model_type"] = model_type
-    tokenizer_files = [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
-    return HFFolder(folder, config, _sentence_transformer(folder), tokenizer_files)
+    config.pop("auto_map", None)
+    tokenizer_files = [inside(folder, folder / n) for n in TOKENIZER_FILES if (folder / n).is_file()]
+    return HFFolder(folder, config, _sentence_transformer(folder), tokenizer_files, weight_files(folder), notes)
+
+
+def check_limits(raw: dict, where: Path) -> None:
+    """Every size in config.json a positive integer under attnx's limit (one line naming the key)."""
+    for keys, limit in LIMITS.items():
+        for key in keys:
+            if key not in raw or raw[key] is None:
+                continue
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise ValueError(f"{where}: {key} must be an integer in [1, {limit}], got {value!r}")
+    for key in ("text_config",):  # composite configs nest the text model's sizes
+        if isinstance(raw.get(key), dict):
+            check_limits(raw[key], where)
+
+
+def _is_snapshot(path: Path) -> bool:
+    return path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--")
+
+
+def inside(folder: Path, file: Path) -> Path:
+    """``file`` if it is a file of ``folder`` (no link leaving it; a hub snapshot's links into its own
+    ``blobs/`` allowed), else one error."""
+    root = folder.resolve()
+    target = file.resolve()
+    allowed = [root]
+    if _is_snapshot(root):
+        allowed.append(root.parent.parent / "blobs")
+    if not any(target == a or a in target.parents for a in allowed):
+        raise ValueError(f"{file}: points outside the model folder ({target}); attnx reads only the folder's own "
+                         "files")
+    return file
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def _sentence_transformer(folder: Path) -> SentenceTransformerInfo | None:
@@ -119,7 +203,10 @@ def _sentence_transformer(folder: Path) -> SentenceTransformerInfo | None:
                 raise ValueError(f"{modules_path}: the Transformer module lives in {module['path']!r}; attnx reads "
                                  "the transformer from the folder itself")
         elif kind == "Pooling":
-            pooling = _pooling_mode(folder / module.get("path", "") / "config.json")
+            pooling_config = folder / str(module.get("path", "")) / "config.json"
+            if pooling_config.is_file():
+                inside(folder, pooling_config)
+            pooling = _pooling_mode(pooling_config)
         elif kind == "Normalize":
             normalize = True
         else:
@@ -137,88 +224,113 @@ def _sentence_transformer(folder: Path) -> SentenceTransformerInfo | None:
     return SentenceTransformerInfo(pooling, normalize, int(max_len) if max_len else None)
 
 
+#: sentence-transformers 5+ names (``"pooling_mode": "mean"``) -> attnx's pooling names.
+_POOLING_NAMES = {"cls": "cls", "mean": "mean", "max": "max", "mean_sqrt_len_tokens": "mean_sqrt_len",
+                  "lasttoken": "lasttoken"}
+
+
 def _pooling_mode(path: Path) -> str:
+    """The pooling of a sentence-transformers Pooling config: its flags (``pooling_mode_mean_tokens: true``,
+    sentence-transformers < 5) or its ``pooling_mode`` name (5 and later)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the pooling module's config.json is missing")
-    try:
-        cfg = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    cfg = _json(path)
+    supported = ", ".join(POOLING_MODES.values())
+    mode = cfg.get("pooling_mode")
+    if mode is not None:
+        modes = [mode] if isinstance(mode, str) else list(mode) if isinstance(mode, list) else [mode]
+        if len(modes) != 1 or modes[0] not in _POOLING_NAMES:
+            raise ValueError(f"{path}: pooling mode {mode!r} is not supported; attnx pools with exactly one of "
+                             f"{supported}")
+        if cfg.get("include_prompt") is False:
+            raise ValueError(f"{path}: include_prompt false (pooling that skips a prompt) is not supported")
+        return _POOLING_NAMES[modes[0]]
     on = [mode for key, mode in POOLING_MODES.items() if cfg.get(key)]
     unknown = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v and k not in POOLING_MODES]
     if unknown or len(on) != 1:
         raise ValueError(f"{path}: pooling mode {', '.join(unknown or on) or 'none'} is not supported; attnx pools "
-                         f"with exactly one of {', '.join(POOLING_MODES.values())}")
+                         f"with exactly one of {supported}")
     return on[0]
 
 
 # --------------------------------------------------------------------------- weights
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's checkpoint (safetensors preferred; .bin without running pickled code)."""
-    from safetensors.torch import load_file
-
+def weight_files(folder: Path) -> list[Path]:
+    """The checkpoint files transformers will read, each checked to be a file of the folder."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    try:
-        if single.is_file():
-            return load_file(str(single))
-        if index.is_file():  # sharded
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            tensors: dict[str, torch.Tensor] = {}
-            for shard in shards:
-                if not (folder / shard).is_file():
-                    raise FileNotFoundError(f"{folder}: shard {shard} listed in {index.name} is missing")
-                tensors.update(load_file(str(folder / shard)))
-            return tensors
-        binary = folder / "pytorch_model.bin"
-        if binary.is_file():
-            state = torch.load(str(binary), map_location="cpu", weights_only=True)
-            return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    except (OSError, RuntimeError, ValueError, KeyError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
-        raise ValueError(f"{folder}: cannot read the checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:160]})") \
-            from None
+    if single.is_file():
+        return [inside(folder, single)]
+    if index.is_file():  # sharded
+        inside(folder, index)
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no weight_map")
+        shards = []
+        for shard in sorted(set(map(str, weight_map.values()))):
+            if Path(shard).name != shard or shard in (".", ".."):
+                raise ValueError(f"{index}: shard {shard!r} is not a file name of the folder; attnx reads only the "
+                                 "folder's own files")
+            if not (folder / shard).is_file():
+                raise FileNotFoundError(f"{folder}: shard {shard} listed in {index.name} is missing")
+            shards.append(inside(folder, folder / shard))
+        return shards
+    binary = folder / "pytorch_model.bin"
+    if binary.is_file():
+        return [inside(folder, binary)]
     found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
     raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin (found: {found})")
 
 
-class Weights:
-    """Checkpoint tensors taken by name and expected shape, with one clear error per problem;
-    :meth:`leftover` lists what was never taken."""
+def weight_dtypes(files: list[Path]) -> dict[str, str]:
+    """Tensor name -> dtype of every weight, from the safetensors headers (nothing loaded) or, for a
+    ``.bin``, a ``weights_only`` memory-mapped load."""
+    out: dict[str, str] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            try:
+                with open(path, "rb") as f:
+                    (size,) = struct.unpack("<Q", f.read(8))
+                    if not 0 < size <= 100 << 20:
+                        raise ValueError(f"header size {size}")
+                    header = json.loads(f.read(size))
+            except (OSError, ValueError, struct.error) as e:
+                raise ValueError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
+            out.update({k: str(v.get("dtype")) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+        else:
+            import torch
 
-    def __init__(self, tensors: dict[str, torch.Tensor], source: Path, prefixes: tuple[str, ...] = ()):
-        self.source = source
-        self.tensors = {}
-        for name, value in tensors.items():
-            for prefix in prefixes:  # e.g. "bert." of a task-model checkpoint
-                if name.startswith(prefix):
-                    name = name[len(prefix):]
-                    break
-            self.tensors[name] = value
-        self.taken: set[str] = set()
-
-    def take(self, name: str, shape: tuple[int, ...], *alternatives: str) -> torch.Tensor:
-        for candidate in (name, *alternatives):
-            if candidate in self.tensors:
-                value = self.tensors[candidate]
-                if tuple(value.shape) != tuple(shape):
-                    raise ValueError(f"{self.source}: weight {candidate} has shape {list(value.shape)}, expected "
-                                     f"{list(shape)} (from config.json)")
-                self.taken.add(candidate)
-                return value.to(torch.float32)
-        raise ValueError(f"{self.source}: missing weight {name} (expected shape {list(shape)}); the checkpoint has "
-                         f"e.g. {', '.join(sorted(self.tensors)[:5])}")
-
-    def skip(self, *names: str) -> None:
-        self.taken.update(n for n in names if n in self.tensors)
-
-    def leftover(self) -> list[str]:
-        return sorted(set(self.tensors) - self.taken)
+            try:
+                state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # a pickle with code in it, a truncated file
+                raise ValueError(f"{path}: cannot read it safely ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:160]})") from None
+            out.update({k: str(v.dtype).replace("torch.", "") for k, v in state.items() if hasattr(v, "dtype")})
+    return out
 
 
-def config_int(config: dict[str, Any], key: str, source) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{source}: config {key} must be a positive integer, got {value!r}")
-    return value
+def check_weight_dtypes(files: list[Path]) -> None:
+    """Every weight a float tensor; integer ones only for index buffers (``position_ids``...)."""
+    for name, dtype in weight_dtypes(files).items():
+        floating = dtype.upper() in ("F16", "BF16", "F32", "F64") or dtype in ("float16", "bfloat16", "float32",
+                                                                                "float64")
+        if not floating and not name.endswith(_INTEGER_OK):
+            raise ValueError(f"weight {name} is {dtype}, expected a float tensor (quantized or corrupt checkpoints "
+                             "are not supported)")
+
+
+def read_tensors(files: list[Path], names) -> dict:
+    """The named tensors of the checkpoint (e.g. a saved placement's variant parameters)."""
+    import torch
+
+    wanted, out = set(names), {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                for key in wanted & set(f.keys()):
+                    out[key] = f.get_tensor(key)
+        else:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+            out.update({k: v for k, v in state.items() if k in wanted})
+    return out

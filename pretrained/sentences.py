@@ -51,3 +51,29 @@ CALIBRATION: tuple[str, ...] = (
     "Why?",
     "See you tomorrow.",
 )
+
+
+#: Who does what, said two ways: :func:`paraphrase_pairs` crosses them into (anchor, positive) pairs.
+_SUBJECTS = (("A man", "A guy"), ("A woman", "A lady"), ("A child", "A young kid"), ("An old man", "An elderly man"),
+             ("Two students", "A pair of students"), ("The chef", "The cook"), ("A teenager", "A teen"),
+             ("My neighbour", "The person next door"), ("A tourist", "A visitor"), ("The teacher", "Our instructor"),
+             ("A little girl", "A small girl"), ("The farmer", "The farm worker"))
+_ACTIONS = (("is playing a guitar", "plays the guitar"), ("is riding a horse", "rides a horse"),
+            ("is cooking pasta in the kitchen", "makes pasta at the stove"),
+            ("is reading a newspaper", "reads the daily paper"), ("is swimming in the lake", "swims in a lake"),
+            ("is painting a fence", "paints the fence"), ("is feeding the ducks", "gives food to the ducks"),
+            ("is climbing a mountain", "climbs up a mountain"), ("is waiting for the train", "waits at the station"),
+            ("is fixing a bicycle", "repairs a bike"), ("is writing a letter", "writes a letter by hand"),
+            ("is planting tomatoes", "puts tomato plants in the soil"), ("is dancing at a wedding", "dances at a wedding"),
+            ("is walking a dog in the park", "takes the dog for a walk in the park"),
+            ("is slicing bread", "cuts the bread into slices"), ("is drinking coffee", "sips a cup of coffee"),
+            ("is buying vegetables at the market", "shops for vegetables at the market"),
+            ("is sleeping on the sofa", "naps on the couch"), ("is watching the stars", "looks at the night sky"),
+            ("is carrying a heavy box", "lifts a big heavy box"), ("is singing in a choir", "sings with a choir"),
+            ("is washing the car", "cleans the car with water"), ("is knitting a scarf", "knits a warm scarf"),
+            ("is taking a photograph", "snaps a picture"), ("is building a sandcastle", "makes a castle of sand"))
+
+
+def paraphrase_pairs() -> list[tuple[str, str]]:
+    """300 built-in (sentence, paraphrase) pairs for contrastive fine-tuning examples and tests."""
+    return [(f"{s1} {a1}.", f"{s2} {a2}.") for s1, s2 in _SUBJECTS for a1, a2 in _ACTIONS]

@@ -252,11 +252,11 @@ def _assert_nothing_written(folder: Path, before: set):
 def test_export_bad_input_is_one_line_and_writes_nothing(small_st, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    t5 = _bert_folder(tmp_path / "t5")
-    cfg = json.loads((t5 / "config.json").read_text())
-    (t5 / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
-    one_line(attnx("export", "--from-pretrained", t5, "-o", out / "a.onnx", cwd=tmp_path),
-             "model_type 't5' is not supported", "t5")
+    mpnet = _bert_folder(tmp_path / "mpnet")
+    cfg = json.loads((mpnet / "config.json").read_text())
+    (mpnet / "config.json").write_text(json.dumps({**cfg, "model_type": "mpnet", "architectures": ["MPNetModel"]}))
+    one_line(attnx("export", "--from-pretrained", mpnet, "-o", out / "a.onnx", cwd=tmp_path),
+             "model_type 'mpnet'", "does not route attention through transformers' AttentionInterface")
     pool = _bert_folder(tmp_path / "pool", pooling={"pooling_mode_weightedmean_tokens": True})
     one_line(attnx("export", "--from-pretrained", pool, "-o", out / "b.onnx", cwd=tmp_path),
              "pooling mode pooling_mode_weightedmean_tokens is not supported")
@@ -280,9 +280,10 @@ def test_check_bad_input_is_one_line_and_writes_no_report(small_st, tmp_path):
              "v.tokenizer")
     # --original of another architecture, of an unknown pooling mode, of another model
     assert attnx("export", "--from-pretrained", small_st, "-o", m / "s.onnx", cwd=tmp_path).returncode == 0
-    t5 = _bert_folder(tmp_path / "t5")
-    (t5 / "config.json").write_text(json.dumps({**json.loads((t5 / "config.json").read_text()), "model_type": "t5"}))
-    one_line(attnx("check", m / "s.onnx", "--original", t5, cwd=tmp_path), "--original", "model_type 't5'")
+    mpnet = _bert_folder(tmp_path / "mpnet")
+    (mpnet / "config.json").write_text(json.dumps({**json.loads((mpnet / "config.json").read_text()),
+                                                   "model_type": "mpnet", "architectures": ["MPNetModel"]}))
+    one_line(attnx("check", m / "s.onnx", "--original", mpnet, cwd=tmp_path), "--original", "model_type 'mpnet'")
     pool = _bert_folder(tmp_path / "pool", pooling={"pooling_mode_weightedmean_tokens": True})
     one_line(attnx("check", m / "s.onnx", "--original", pool, cwd=tmp_path), "--original", "pooling_mode_weightedmean")
     one_line(attnx("check", m / "s.onnx", "--original", small_vocab, cwd=tmp_path),

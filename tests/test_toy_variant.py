@@ -56,7 +56,8 @@ def test_registered_in_process_and_equal_to_mha_at_temperature_one(toy_variant):
     toy = build_encoder("toy", d_model=32, n_heads=4, n_layers=2)
     mha = build_encoder("mha", d_model=32, n_heads=4, n_layers=2)
     missing, unexpected = toy.load_state_dict(mha.state_dict(), strict=False)
-    assert unexpected == [] and sorted(missing) == [f"blocks.{i}.attn.log_scale" for i in range(2)]
+    assert unexpected == [] and sorted(missing) == [f"blocks.{i}.attn.{p}" for i in range(2)
+                                                    for p in ("exponent", "log_scale")]
     x = torch.randn(3, 9, 32)
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, 6:] = 0
@@ -85,13 +86,16 @@ def test_placed_in_the_real_minilm_it_starts_as_the_original():
     batch = tok(["A sixth attention variant.", "It lives in one file outside the package, and runs."],
                 padding=True, return_tensors="pt")
     feeds = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    hot = {**feeds, "temperature": torch.full((2,), 3.0)}
     with torch.no_grad():
         want = transformers.BertModel.from_pretrained(str(folder)).eval()(**feeds).last_hidden_state
-        got = host.forward_named({**feeds, "temperature": torch.ones(2)})["last_hidden_state"]
-        hot = host.forward_named({**feeds, "temperature": torch.full((2,), 3.0)})["last_hidden_state"]
+        got = host.forward_named(hot)["last_hidden_state"]  # neutral whatever the temperature
+        for block in host.blocks:
+            block.attn.exponent.fill_(1.0)  # "trained": the temperature now acts
+        moved = host.forward_named(hot)["last_hidden_state"]
     real = feeds["attention_mask"].bool()
     assert float((got - want)[real].abs().max()) <= 1e-5
-    assert float((hot - want)[real].abs().max()) > 1e-2
+    assert float((moved - want)[real].abs().max()) > 1e-2
 
 
 def test_every_command_takes_it_without_a_package_edit(tmp_path):
