@@ -83,10 +83,18 @@ PREFIX = "attnx."
 SCHEMA_VERSION = 2  # 2: adds attnx.schema and per-tensor value ranges; schema 1 files read the same way
 
 
+#: What an input may be filled with when a request omits it (``TensorEntry.default``).
+#: ``zeros`` / ``ones``: a variant context input's "no context" value (declared by the variant, e.g. smal's
+#: trace is zeros, the test variant's temperature ones), which a text-only request has no say in.
+INPUT_DEFAULTS = ("zeros", "ones")
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One input or output as the metadata describes it. ``shape`` holds ints and dim names;
-    ``range`` is ``[low, high)`` for integer inputs that index a table (ids, types)."""
+    ``range`` is ``[low, high)`` for integer inputs that index a table (ids, types); ``default``
+    (inputs only, one of :data:`INPUT_DEFAULTS`) is what serving fills in when a request omits it
+    (None: the input is required, as in files written before the field existed)."""
 
     name: str
     role: str
@@ -94,6 +102,7 @@ class TensorEntry:
     shape: tuple
     range: tuple[int, int] | None = None
     doc: str = ""
+    default: str | None = None
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape)}
@@ -101,6 +110,8 @@ class TensorEntry:
             out["range"] = list(self.range)
         if self.doc:
             out["doc"] = self.doc
+        if self.default is not None:
+            out["default"] = self.default
         return out
 
     @classmethod
@@ -108,10 +119,19 @@ class TensorEntry:
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
             raise ContractError(f"bad tensor entry in attnx metadata: {item!r}")
         rng = item.get("range")
+        try:
+            bounds = tuple(int(v) for v in rng) if isinstance(rng, (list, tuple)) and len(rng) == 2 else None
+        except (TypeError, ValueError):
+            raise ContractError(f"bad range {rng!r} of {item['name']!r} in attnx metadata") from None
+        if bounds is not None and not bounds[0] < bounds[1]:
+            raise ContractError(f"bad range {list(bounds)} of {item['name']!r} in attnx metadata (need low < high)")
+        default = item.get("default")
+        if default is not None and (not is_input or default not in INPUT_DEFAULTS):
+            raise ContractError(f"bad default {default!r} of {item['name']!r} in attnx metadata (an input's "
+                                f"default is one of {', '.join(INPUT_DEFAULTS)})")
         return cls(name=item["name"], role=str(item.get("role") or default_role(item["name"], is_input)),
                    dtype=str(item.get("dtype", "float32")), shape=tuple(item.get("shape") or ()),
-                   range=tuple(int(v) for v in rng) if isinstance(rng, (list, tuple)) and len(rng) == 2 else None,
-                   doc=str(item.get("doc", "")))
+                   range=bounds, doc=str(item.get("doc", "")), default=default)
 
 
 @dataclass
@@ -392,6 +412,16 @@ def write_sidecar(engine: str | os.PathLike, data: Mapping[str, Any]) -> Path:
     return side
 
 
+def plan_declared_size(engine: str | os.PathLike) -> int | None:
+    """The total size a plan's header records, where the format is known: TensorRT-RTX plans (``vtrt``)
+    hold it as a little-endian uint64 at byte 16 (measured with TensorRT-RTX 1.7). None otherwise."""
+    with open(engine, "rb") as f:
+        head = f.read(24)
+    if head[:4] == b"vtrt" and len(head) == 24:
+        return int.from_bytes(head[16:24], "little")
+    return None
+
+
 def verify_engine(engine: str | os.PathLike) -> dict | None:
     """Check an engine file against its sidecar (size and sha256); returns the sidecar, or None
     when the engine has none but looks like a plan. Anything else is a :class:`ContractError`."""
@@ -408,6 +438,10 @@ def verify_engine(engine: str | os.PathLike) -> dict | None:
         if head not in PLAN_MAGICS:
             raise ContractError(f"{p} is not a TensorRT engine (its header {head!r} is not a TensorRT plan's, and "
                                 f"it has no {sidecar_path(p).name} sidecar)")
+        declared = plan_declared_size(p)
+        if declared is not None and declared != size:
+            raise ContractError(f"{p} is truncated or corrupt: its header declares {declared} bytes and the file "
+                                f"has {size} (rebuild it with `attnx build-engine`)")
         return None
     if sidecar.get("engine_bytes") not in (None, size) or sidecar.get("engine_sha256") != sha256_file(p):
         raise ContractError(f"{p} is corrupt or was changed after it was built: its sha256 does not match "

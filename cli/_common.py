@@ -16,8 +16,29 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-console = Console()
-err_console = Console(stderr=True, soft_wrap=True)  # one-line errors stay one line
+#: Output that is not a terminal (CI logs, pipes) is laid out this wide: rich would assume 80 columns and cut
+#: tables' numbers to "…", and those numbers are what such logs are kept for. Rules stay a line wide.
+PIPE_WIDTH = 1000
+
+
+class _Console(Console):
+    """rich's Console, laid out at :data:`PIPE_WIDTH` columns when writing to a pipe or file (unless
+    ``COLUMNS`` says otherwise), so tables print whole. (Progress lines are drawn on terminals only:
+    ``Progress(disable=not console.is_terminal)``.)"""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if not self.is_terminal and not os.environ.get("COLUMNS") and "width" not in kwargs:
+            self.width = PIPE_WIDTH
+
+    def rule(self, *args, **kwargs) -> None:
+        from rich.rule import Rule
+
+        self.print(Rule(*args, **kwargs), width=min(self.width, 100) if not self.is_terminal else None)
+
+
+console = _Console()
+err_console = _Console(stderr=True, soft_wrap=True)  # one-line errors stay one line
 
 F = TypeVar("F", bound=Callable)
 

@@ -38,8 +38,6 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
                max_tokens: int, count: int, outputs: list[str] | None, tokenizer: Path | None, batching,
                device: str, threads: int | None, compare_batch_1: bool, rounds: int) -> dict:
     """Run the load, print the table and memory lines; returns the numbers (for ``--report``)."""
-    from rich.console import Console
-
     from attnx.deploy import loadtest as b
     from attnx.runtime.text import TextTokenizer
 
@@ -105,9 +103,8 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
     rss_after = b.rss_bytes(url)
     results = [b.merge_results(p, label) for label, p in parts.items()]
     baseline = results[1] if len(results) > 1 else None
-    out = console if console.is_terminal else Console(width=170)
-    out.print(b.render(results, title=f"attnx bench --text: {count} texts of {min_tokens}-{max_tokens} tokens, "
-                                      f"{concurrency} clients", baseline=baseline))
+    console.print(b.render(results, title=f"attnx bench --text: {count} texts of {min_tokens}-{max_tokens} tokens, "
+                                          f"{concurrency} clients", baseline=baseline))
     lost = sum(sum(r.errors.values()) for r in results)
     wrong = sum(r.mismatched for r in results)
     whose = "server" if url else "this process"

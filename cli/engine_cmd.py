@@ -132,7 +132,23 @@ def build_engine_cmd(model: Optional[Path], output: Optional[Path], fp16: bool, 
     if result.inlined_custom_nodes:
         err_console.print(f"[yellow]warning:[/yellow] {result.inlined_custom_nodes} attnx custom node(s) were "
                           "inlined instead of becoming plugin layers (is the plugin library loaded?)")
+    if sc["precision"] == "fp16":
+        _explain_fp16_clip_warnings(result.onnx_path)
     return result
+
+
+def _explain_fp16_clip_warnings(onnx_path: Path) -> None:
+    """TensorRT-RTX prints 'precision-lose casting' for each Clip without an upper bound in an fp16 graph;
+    say once what it means (attnx.engine.fp16.unbounded_clips), so nobody chases it."""
+    from attnx.engine.fp16 import unbounded_clips
+
+    clips = unbounded_clips(onnx_path)
+    if clips:
+        err_console.print(f"[dim]note: TensorRT's 'precision-lose casting' warnings are about the {len(clips)} "
+                          f"clamp(s) with only a lower bound ({', '.join(clips[:4])}{' ...' if len(clips) > 4 else ''}): "
+                          "TensorRT gives them float32's largest value as the upper bound, which fp16 cannot hold. "
+                          "No fp16 value reaches that bound, so the engine clamps exactly as the model does.[/dim]",
+                          highlight=False)
 
 
 def render_report(report, report_path: Path | None = None) -> None:

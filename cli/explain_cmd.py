@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
                                             "--ablate works on (default 0)."),
         ablate: bool = typer.Option(False, "--ablate", help="Ablate each head of --layer through head_mask and "
                                     "rank heads by the output's change; activation patching beside it."),
-        target: Optional[str] = typer.Option(None, "--target", help="GPT-2: the token whose logit --ablate "
+        target: Optional[str] = typer.Option(None, "--target", help="A causal LM: the token whose logit --ablate "
                                              "follows (text or id; default: the top prediction)."),
         corrupt: Optional[str] = typer.Option(None, "--corrupt", help="Patching's corrupted input: a text of "
                                               "the same token count (default: noise on the embeddings)."),
@@ -149,7 +149,7 @@ def register(app: typer.Typer) -> None:
             abl = None if table is None else {"layer": table.layer, "metric": table.metric,
                                               "columns": table.columns, "rows": table.rows}
             page.parent.mkdir(parents=True, exist_ok=True)
-            page.write_text(explanation_page(ex, compare=comparison, ablation=abl), encoding="utf-8")
+            page.write_text(explanation_page(ex, compare=comparison, ablation=abl, layer=layer), encoding="utf-8")
             pngs = _write_pngs(ex, page.with_name(page.stem + "-heatmaps"),
                                [layer] if layer is not None else sorted(ex.patterns)) if png else []
         finally:

@@ -88,7 +88,10 @@ def register(app: typer.Typer) -> None:
         max_length_ratio: float = typer.Option(
             1.5, "--max-length-ratio", help="Longest/shortest sequence in one batch (0 = pad anything)."
         ),
-        max_batch_tokens: int = typer.Option(0, "--max-batch-tokens", help="Cap on rows x padded length (0 = none)."),
+        max_batch_tokens: int = typer.Option(
+            8192, "--max-batch-tokens", help="Cap on rows x padded length per batch (0 = none). On a CPU, requests "
+                                             "this long gain nothing from sharing a run, and their activations add up; "
+                                             "raise it on a GPU."),
         device: str = typer.Option("auto", help="ONNX Runtime device: auto, cpu or cuda."),
         threads: Optional[int] = typer.Option(None, help="Intra-op threads per model (default: all CPUs)."),
         log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
@@ -105,6 +108,23 @@ def register(app: typer.Typer) -> None:
         describe: bool = typer.Option(
             False, "--describe", help="Print each input's and output's batch/sequence axes and how requests "
                                       "will be batched, then exit."),
+        max_header_kb: float = typer.Option(
+            64.0, "--max-header-kb", help="Largest HTTP request head (request line + headers, KiB); 431 beyond."),
+        max_headers: int = typer.Option(100, "--max-headers", help="Most HTTP request headers; 431 beyond."),
+        head_timeout_s: float = typer.Option(
+            10.0, "--head-timeout-s", help="Seconds a connection may take to send a complete request head; 408 "
+                                           "and closed beyond."),
+        api_key: Optional[str] = typer.Option(
+            None, "--api-key", envvar="ATTNX_API_KEY", show_envvar=True, show_default=False,
+            help="Require 'Authorization: Bearer KEY' on every route but the health checks (HTTP and gRPC). "
+                 "Prefer the environment variable: a flag shows in ps."),
+        dimensions: Optional[List[str]] = typer.Option(
+            None, "--dimensions", help="Let /v1/embeddings and /embed cut embeddings to fewer dimensions (the "
+                                       "first k, renormalised: for Matryoshka-trained models): 'any' or sizes like "
+                                       "64,128,256, for every model or as NAME=..."),
+        max_inputs: int = typer.Option(1024, "--max-inputs", help="Most texts in one request (all APIs)."),
+        max_request_tokens: int = typer.Option(
+            300000, "--max-request-tokens", help="Most tokens in one request, summed over its texts (413 beyond)."),
     ) -> None:
         """Serve models over HTTP (and gRPC) with the KServe v2 protocol (tritonclient works), with dynamic
         batching that pads requests of different lengths; text in for models with a tokenizer."""
@@ -124,15 +144,33 @@ def register(app: typer.Typer) -> None:
         for flag, value in (("--port", port), ("--grpc-port", grpc_port)):
             if value is not None and not 0 <= value <= 65535:
                 raise UserError(f"{flag} must be 0..65535, got {value}")
-        limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq)
+        for flag, value in (("--max-inputs", max_inputs), ("--max-request-tokens", max_request_tokens)):
+            if value < 1:
+                raise UserError(f"{flag} must be >= 1, got {value}")
+        limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq, max_texts=max_inputs,
+                        max_request_tokens=max_request_tokens)
+        from attnx.runtime.embeddings import Dimensions
+
+        try:
+            dims = Dimensions.parse(dimensions, files)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         try:
             axes = AxisFlags.parse(batch_axis, seq_axis)
         except AxisError as e:
             raise UserError(str(e)) from None
+        from attnx.runtime.http_guard import HttpLimits
+
+        try:
+            http_limits = HttpLimits(max_header_bytes=int(max_header_kb * 1024), max_headers=max_headers,
+                                     head_timeout_s=head_timeout_s)
+        except ValueError as e:
+            raise UserError(f"--max-header-kb / --max-headers / --head-timeout-s: {e}") from None
         server = InferenceServer(
             files, host=host, port=port, grpc_port=grpc_port, batching=batching, limits=limits, device=device,
             threads=threads, log_level=log_level, tokenizers=_tokenizer_dirs(tokenizer, files), axes=axes,
             on_warning=lambda m: err_console.print(f"[yellow]warning:[/yellow] {escape(m)}", highlight=False),
+            api_key=api_key, dimensions=dims, http_limits=http_limits,
         )
         if describe:
             console.print(server.describe(), markup=False, highlight=False, soft_wrap=True)
@@ -148,6 +186,9 @@ def register(app: typer.Typer) -> None:
         # One plain line with the real address (port 0 picks one), for people and for scripts.
         if server.grpc_address:
             err_console.print(f"gRPC listening on {server.grpc_address}", highlight=False, soft_wrap=True)
+        err_console.print(f"APIs: KServe v2 (/v2), OpenAI (/v1/embeddings), TEI (/embed, /predict, /rerank), "
+                          f"Cohere/Jina (/v1/rerank), Infinity (/classify)"
+                          f"{'; API key required' if api_key else ''}", highlight=False)
         err_console.print(f"listening on {server.url}", highlight=False, soft_wrap=True)
         server.serve()
 
@@ -243,11 +284,7 @@ def register(app: typer.Typer) -> None:
                 )
                 batches = batcher.stats.batches - warm[0]
                 result.mean_batch_rows = (batcher.stats.rows - warm[1]) / batches if batches else None
-        from rich.console import Console
-
-        # A pipe gets 80 columns by default, too narrow for the table: widen it there.
-        out = console if console.is_terminal else Console(width=160)
-        out.print(b.render([result], title=f"attnx bench: seq {lengths}, batch {batch}"))
+        console.print(b.render([result], title=f"attnx bench: seq {lengths}, batch {batch}"))
         if report:
             report.write_text(json.dumps(result.summary(), indent=2))
         if result.ok == 0:

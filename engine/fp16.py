@@ -88,3 +88,15 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
         _fp16_info(info, converted, src, dst, source_sha).write(converted)
     save_model(converted, dst)
     return dst, True
+
+
+def unbounded_clips(path: str | os.PathLike) -> list[str]:
+    """The ``Clip`` nodes of an fp16 graph that have no upper bound (sentence pooling's ``clamp(min=...)``).
+
+    TensorRT fills a missing bound with float32's largest value, which fp16 cannot hold, and TensorRT-RTX
+    then prints ``WARNING: in op <node>_min, operand <node>_beta payload type requires precision-lose
+    casting`` for each, on every fp16 build. The bound it loses is one no fp16 value reaches, so the engine
+    clamps exactly as the graph says; `attnx build-engine` says so beside the warnings."""
+    graph = load_onnx(path).graph
+    return [n.name or n.output[0] for n in graph.node
+            if n.op_type == "Clip" and (len(n.input) < 3 or not n.input[2])]

@@ -1,10 +1,12 @@
 """Interpretability tour of attnx, offline and in seconds.
 
-    python examples/interpretability.py [--out attnx-out/interp] [--gpt2 path/to/hf-gpt2-folder]
+    python examples/interpretability.py [--out attnx-out/interp] [--lm path/to/hf-causal-lm-folder]
 
 1. an ``mha`` encoder: run_with_cache, ablate a head, patch activations, analyze heads;
-2. a GPT-2 checkpoint (``--gpt2``, or a tiny random one written here): logits, head
-   analysis, and an HTML page + PNG heatmaps of its attention for a sentence.
+2. a causal LM (``--lm``: any Hugging Face folder of a family with transformers' attention
+   interface, GPT-2, Llama, Qwen...; or a tiny random GPT-2 written here), run by transformers' own
+   model with attnx's attention backend: logits, head analysis with TransformerLens hook names, and
+   an HTML page + PNG heatmaps of its attention for a sentence.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from attnx.models import build_encoder
 from attnx.interp.analysis import analyze_heads, format_behaviors
-from attnx.pretrained.gpt2 import load_gpt2
+from attnx import pretrained
 from attnx.interp import patch_heads, run_with_cache
 from attnx.interp.visualize import save_attention_html, save_layer_pngs, visualize_text
 
@@ -61,33 +63,20 @@ def encoder_tour(out: Path) -> None:
 
 
 def write_tiny_gpt2(folder: Path, text: str) -> Path:
-    """A random 2-layer GPT-2 in Hugging Face layout (config.json, model.safetensors,
-    tokenizer.json with one id per word of ``text``) - stands in for a real checkpoint."""
-    from safetensors.torch import save_file
+    """A random 2-layer GPT-2 saved by transformers (config.json, model.safetensors) with a word-level
+    tokenizer.json (one id per word of ``text``): stands in for a real checkpoint."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     words = ["<unk>"] + sorted(set(text.split()))
-    d, n_layer, n_pos = 64, 2, 32
-    config = {"model_type": "gpt2", "n_layer": n_layer, "n_embd": d, "n_head": 4, "n_positions": n_pos,
-              "vocab_size": len(words), "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"}
-    g = torch.Generator().manual_seed(0)
-
-    def rnd(*shape):  # std 0.3: peakier attention than GPT-2's 0.02 init
-        return torch.randn(*shape, generator=g) * 0.3
-
-    t = {"wte.weight": rnd(len(words), d), "wpe.weight": rnd(n_pos, d),
-         "ln_f.weight": torch.ones(d), "ln_f.bias": torch.zeros(d)}
-    for i in range(n_layer):
-        p = f"h.{i}."
-        t |= {p + "ln_1.weight": torch.ones(d), p + "ln_1.bias": torch.zeros(d),
-              p + "ln_2.weight": torch.ones(d), p + "ln_2.bias": torch.zeros(d),
-              p + "attn.c_attn.weight": rnd(d, 3 * d), p + "attn.c_attn.bias": rnd(3 * d),  # Conv1D: [in, out]
-              p + "attn.c_proj.weight": rnd(d, d), p + "attn.c_proj.bias": rnd(d),
-              p + "mlp.c_fc.weight": rnd(d, 4 * d), p + "mlp.c_fc.bias": rnd(4 * d),
-              p + "mlp.c_proj.weight": rnd(4 * d, d), p + "mlp.c_proj.bias": rnd(d)}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    save_file(t, str(folder / "model.safetensors"))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=len(words))
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # std 0.3: peakier attention than GPT-2's 0.02 init
+        for name, p in model.named_parameters():
+            if not (".ln_" in name or "ln_f" in name):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()  # joins words with spaces
@@ -95,28 +84,33 @@ def write_tiny_gpt2(folder: Path, text: str) -> Path:
     return folder
 
 
-def gpt2_tour(out: Path, folder: Path | None) -> None:
+def lm_tour(out: Path, folder: Path | None) -> None:
+    from tokenizers import Tokenizer
+
     folder = folder or write_tiny_gpt2(out / "tiny-gpt2", TEXT)
-    lm = load_gpt2(folder)
-    ids = lm.encode(TEXT)  # [1, L]
-    logits = lm(ids)  # [1, L, vocab]
-    print(f"GPT-2 from {folder}: {len(lm.blocks)} layers, logits {list(logits.shape)}; "
-          f"greedy next token after the text: {lm.to_text(logits[0, -1].argmax()[None])!r}")
-    behaviors = analyze_heads(lm, ids)  # GPT2LM takes token ids; hook names as on the encoder
+    lm = pretrained.load(folder, "mha", task="causal-lm")  # transformers' own model, attnx's attention
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = torch.tensor([tokenizer.encode(TEXT).ids])  # [1, L]
+    with torch.no_grad():
+        logits = lm(ids)["logits"]  # [1, L, vocab]
+    print(f"{type(lm.hf).__name__} from {folder}: {len(lm.blocks)} layers, logits {list(logits.shape)}; "
+          f"greedy next token after the text: {tokenizer.decode([int(logits[0, -1].argmax())])!r}")
+    behaviors = analyze_heads(lm, ids)  # token ids in; hook names blocks.{i}.attn.hook_pattern as on the encoder
     print(format_behaviors(behaviors))
-    paths = visualize_text(lm, lm.tokenizer, TEXT, out / "gpt2", layers=None, heads=None, dpi=80)
+    paths = visualize_text(lm, tokenizer, TEXT, out / "lm", layers=None, heads=None, dpi=80)
     print(f"wrote {paths['html']} and {', '.join(str(p) for p in paths['png'])}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("attnx-out/interp"))
-    ap.add_argument("--gpt2", type=Path, default=None, help="a local Hugging Face GPT-2 folder (default: tiny random)")
+    ap.add_argument("--lm", type=Path, default=None, help="a local Hugging Face causal-LM folder (default: a tiny "
+                    "random GPT-2)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     encoder_tour(args.out)
-    gpt2_tour(args.out, args.gpt2)
-    print(f"done in {time.perf_counter() - t0:.1f}s; open {args.out / 'gpt2' / 'attention.html'} in a browser")
+    lm_tour(args.out, args.lm)
+    print(f"done in {time.perf_counter() - t0:.1f}s; open {args.out / 'lm' / 'attention.html'} in a browser")
 
 
 if __name__ == "__main__":

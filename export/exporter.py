@@ -120,6 +120,34 @@ def _quiet_torch_exporter():
 
 # --------------------------------------------------------------------------- graph post-processing
 
+def _trace(wrapper, args, dynamic_shapes, inputs, profiles: dict):
+    """``torch.export`` with dynamic batch and seq. A model whose code only holds from some length on
+    (MobileBERT's trigram embedding wants seq >= 2) fails the declared ranges: export again letting
+    torch find the ranges, and raise the profiles' minimum to what it found (said in the metadata)."""
+    try:
+        return torch.export.export(wrapper, args, dynamic_shapes=(dynamic_shapes,), strict=False), profiles
+    except torch._dynamo.exc.UserError as e:
+        if "Constraints violated" not in str(e):
+            raise
+    auto = tuple({i: torch.export.Dim.DYNAMIC for i in spec} for spec in dynamic_shapes)
+    program = torch.export.export(wrapper, args, dynamic_shapes=(auto,), strict=False)
+    lows: dict[str, int] = {}
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"][-len(inputs):]
+    for spec, node in zip(inputs, placeholders):
+        for axis, dim in enumerate(spec.shape):
+            if isinstance(dim, str):
+                size = node.meta["val"].shape[axis]
+                vr = program.range_constraints.get(getattr(size, "node", size).expr) if hasattr(size, "node") else None
+                if vr is not None:
+                    lows[dim] = max(lows.get(dim, 1), int(vr.lower))
+    profiles = dict(profiles)
+    for axis, low in lows.items():
+        if axis in profiles and low > profiles[axis][0]:
+            lo, opt, hi = profiles[axis]
+            profiles[axis] = (low, max(opt, low), max(hi, low))
+    return program, profiles
+
+
 def _name_dynamic_dims(model: onnx.ModelProto, specs: dict[str, tuple]) -> None:
     """Give graph inputs/outputs the dim names of the contract (``batch``, ``seq``)."""
     for vi in list(model.graph.input) + list(model.graph.output):
@@ -238,7 +266,8 @@ def _entries(values, specs: dict) -> list[TensorEntry]:
         spec = specs[vi.name]
         out.append(TensorEntry(name=vi.name, role=spec.role, dtype=onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
                                shape=tuple(d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim),
-                               range=getattr(spec, "range", None), doc=spec.doc))
+                               range=getattr(spec, "range", None), doc=spec.doc,
+                               default=getattr(spec, "default", None)))
     return out
 
 
@@ -289,7 +318,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     args = tuple(feeds[n] for n in input_names)
     path_name = "plugin" if lowering == "plugin" else "fast"
     with attention_path(path_name), torch.no_grad(), _quiet_torch_exporter():
-        program = torch.export.export(wrapper, args, dynamic_shapes=(dynamic_shapes,), strict=False)
+        program, profiles = _trace(wrapper, args, dynamic_shapes, inputs, profiles)
 
         step("translate")
         onnx_program = torch.onnx.export(program, args, dynamo=True, opset_version=opset, input_names=input_names,

@@ -12,7 +12,7 @@ comparing two sources (an export and its torch reference) is comparing two calls
 Output effects (:func:`output_effect`), by the model's main output:
 
 - ``sentence_embedding``: ``1 - cos(ablated, baseline)`` per example;
-- ``logits`` (GPT-2): the drop of the target token's logit at each example's last real position
+- ``logits`` (causal LMs): the drop of the target token's logit at each example's last real position
   (target: ``target_id``, default the baseline's top prediction there);
 - ``last_hidden_state`` / ``output``: ``1 - cos`` per real token, averaged.
 """

@@ -4,6 +4,10 @@
     html = explanation_page(cmp.a, compare=cmp)        # two context values: A, B and B - A per head
     html = explanation_page(ex, ablation=rows)         # plus the head-ablation / patching table
 
+It opens on the layer asked for (``layer=``, else the whole model) at its most distinctive head
+(:func:`opening_view`: the head whose ablation changed the output most, else the one the two context
+values change most, else the one with the clearest pattern), with the ablation ranking near the top.
+
 What it shows: selectors for the example, layer and head; the pattern as a query x key heatmap
 or as token-to-token lines (hover a cell or a token for the weights); each head's analysis
 (entropy, the four scores, the primary pattern or "mixed"; click a row to show that head); a
@@ -99,9 +103,40 @@ def add_ablation(data: dict, layer: int, metric: str, columns: Sequence[str], ro
     return data
 
 
+def opening_view(data: dict, layer: int | None = None) -> dict:
+    """``{"layer", "head", "why"}``: where the page opens. ``layer`` (None: any) and in it the most
+    distinctive head: first in the ablation ranking (when it ablated that layer), else the head the two
+    context values change most (a comparison), else the head whose clearest pattern scores highest
+    (lowest entropy on a tie)."""
+    layers = data["layers"]
+    if layer not in layers:  # None, or a layer ablated whose patterns were not exported
+        layer = None
+    ablation = data.get("ablation")
+    if ablation and ablation["rows"] and ablation["layer"] in layers and layer in (None, ablation["layer"]):
+        return {"layer": ablation["layer"], "head": int(ablation["rows"][0]["head"]),
+                "why": f"ranked first when ablated ({ablation['metric']})"}
+    keep = lambda item: layer is None or item["layer"] == layer  # noqa: E731
+    differences = [d for d in data.get("differences") or () if keep(d)]
+    if differences:
+        top = max(differences, key=lambda d: d["max_abs"])
+        return {"layer": top["layer"], "head": top["head"], "why": "changed most between the two contexts"}
+
+    def clearest(b) -> tuple:
+        scores = [v for v in b["scores"].values() if v is not None]
+        entropy = b["entropy"] if b["entropy"] is not None else float("inf")
+        return (max(scores) if scores else float("-inf"), -entropy)
+
+    heads = [b for b in data["analysis"].get(data["labels"][0]) or () if keep(b)]
+    if heads:
+        top = max(heads, key=clearest)
+        return {"layer": top["layer"], "head": top["head"], "why": f"clearest pattern ({top['primary']})"}
+    return {"layer": layer if layer is not None else layers[0], "head": 0, "why": ""}
+
+
 def explanation_page(ex, *, compare=None, ablation: dict | None = None, title: str | None = None,
-                     form_action: str | None = None) -> str:
-    """The page for an :class:`~attnx.interp.explain.Explanation` (and optionally its comparison / ablation)."""
+                     form_action: str | None = None, layer: int | None = None) -> str:
+    """The page for an :class:`~attnx.interp.explain.Explanation` (and optionally its comparison / ablation),
+    opening on ``layer`` (``attnx explain --layer``) at its most distinctive head (:func:`opening_view`)."""
     extras = []
     for row in range(len(ex.batch.tokens)):
         items = []
@@ -119,6 +154,7 @@ def explanation_page(ex, *, compare=None, ablation: dict | None = None, title: s
                        compare.output_distance)
     if ablation is not None:
         add_ablation(data, **ablation)
+    data["start"] = opening_view(data, layer)
     return render_page(data, form_action)
 
 
@@ -142,6 +178,7 @@ def render_page(data: dict, form_action: str | None = None) -> str:
 <h1>{title}</h1>
 <div class="sub">{_html.escape(data.get("model", ""))}</div>
 {form}
+<div id="ablation-box"><h2 id="ablation-title"></h2><table class="analysis" id="ablation"></table></div>
 <div class="controls">
 <label>example <select id="example"></select></label>
 <label>layer <select id="layer"></select></label>
@@ -159,7 +196,6 @@ difference maps: red = more under the second value, blue = less.</div>
 <div id="distance" class="meta"></div>
 <h2>heads</h2>
 <table class="analysis" id="analysis"></table>
-<div id="ablation-box"><h2 id="ablation-title"></h2><table class="analysis" id="ablation"></table></div>
 <script type="application/json" id="attnx-data">{_json_for_script(data)}</script>
 <script>{_JS}</script>
 </body></html>
@@ -199,6 +235,8 @@ for (let h = 0; h < D.n_heads; h++) opt(sel.head, h, h);
 D.labels.forEach(l => opt(sel.mode, l, l));
 if (compare) opt(sel.mode, 'diff', D.labels[1] + ' - ' + D.labels[0]); else $('mode-label').style.display = 'none';
 if (D.examples.length < 2) sel.example.parentNode.style.display = 'none';
+const S = D.start || {layer: D.layers[0], head: 0};  // the asked layer, at its most distinctive head
+sel.layer.value = Math.max(0, D.layers.indexOf(S.layer)); sel.head.value = S.head;
 const fmt = w => w.toFixed(3);
 function weights() {
   const e = +sel.example.value, l = +sel.layer.value, h = +sel.head.value, m = sel.mode.value || D.labels[0];

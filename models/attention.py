@@ -135,7 +135,7 @@ def masked_softmax(scores: torch.Tensor, bias: torch.Tensor | None, row_valid: t
     if bias is None:
         return scores.softmax(dim=-1)
     pattern = _no_overflow(scores + bias).softmax(dim=-1)
-    return pattern * row_valid.to(pattern.dtype)
+    return pattern if row_valid is None else pattern * row_valid.to(pattern.dtype)
 
 
 def _no_overflow(logits: torch.Tensor) -> torch.Tensor:

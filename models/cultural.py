@@ -68,7 +68,7 @@ class CulturalAttention(AttentionBase):
     @staticmethod
     def context_inputs(config: CulturalConfig) -> list[InputSpec]:
         return [InputSpec("cultural", ("batch", config.d_cultural), "float", "context",
-                          "cultural context vector per example")]
+                          "cultural context vector per example", default="zeros")]
 
     def lambda_(self, c: torch.Tensor) -> torch.Tensor:
         """``[B, H, 1, 1]`` (broadcastable) cultural strength."""

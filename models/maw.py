@@ -161,9 +161,9 @@ class MawAttention(AttentionBase):
             self.last_depth = w.argmax(-1)
             # Rewards average over real query tokens only (padded query rows carry no meaning).
             reward_rows = mask.row_valid
-            if mask.tokens is not None and mask.row_valid is not None:
-                lq = q.shape[2]
-                reward_rows = reward_rows & mask.tokens.bool()[:, None, -lq:, None]
+            if mask.tokens is not None:
+                real = mask.tokens.bool()[:, None, -q.shape[2]:, None]  # [B, 1, Lq, 1]
+                reward_rows = real if reward_rows is None else reward_rows & real
             self.aux_loss = self.grpo_loss(logits_pi, pooled, q_depth, k_depth, mask.bias, reward_rows)
             return self.attend_explicit(scores, v, mask)
 

@@ -51,7 +51,7 @@ def metaphor_spec(config: MetaphorConfig) -> InputSpec:
              "type": ("batch",), "token_type": ("batch", "seq")}[mode]
     ids = mode in ("type", "token_type")
     return InputSpec("metaphor", shape, "int64" if ids else "float", "context", f"metaphor input ({mode})",
-                     range=(0, config.n_metaphor_types) if ids else None)
+                     range=(0, config.n_metaphor_types) if ids else None, default="zeros")
 
 
 class MetaphorFusion(nn.Module):

@@ -34,6 +34,9 @@ class InputSpec:
     doc: str = ""
     broadcast_batch: bool = False  # may be given without the batch dim (shared by the batch)
     range: tuple[int, int] | None = None  # [low, high) for integer ids (checked here and by the server)
+    #: A context input's value meaning "no context" ("zeros" | "ones"): what serving fills in when a
+    #: text-only request leaves it out (attnx.contract.INPUT_DEFAULTS). None: always required.
+    default: str | None = None
 
     def describe(self) -> str:
         return f"{self.name} [{', '.join(map(str, self.shape))}] {self.dtype}"

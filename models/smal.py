@@ -122,8 +122,9 @@ class SelfModulatedAttention(AttentionBase):
     def context_inputs(config: SmalConfig) -> list[InputSpec]:
         dh = config.head_dim
         trace_shape = ("batch", config.n_heads, dh, dh) if config.per_head_trace else ("batch", dh, dh)
-        return [InputSpec("self_state", ("batch", config.d_self), "float", "context", "self state s"),
-                InputSpec("trace", trace_shape, "float", "context", "trace tensor T", broadcast_batch=True)]
+        return [InputSpec("self_state", ("batch", config.d_self), "float", "context", "self state s", default="zeros"),
+                InputSpec("trace", trace_shape, "float", "context", "trace tensor T (zeros: no distance term)",
+                          broadcast_batch=True, default="zeros")]
 
     def trace_heads(self, trace: Tensor, batch: int) -> Tensor:
         """Any accepted trace layout -> ``[B, 1|H, Dh, Dh]``."""

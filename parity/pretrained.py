@@ -2,7 +2,7 @@
 
 :func:`run_text_check` tokenises real texts (:mod:`attnx.parity.text_cases`: the built-in
 sentences and two longer passages, or ``--text``) with the export's own tokenizer, batches them
-with padding, and runs Polygraphy's ``Comparator`` (streaming: one batch at a time, so even GPT-2's
+with padding, and runs Polygraphy's ``Comparator`` (streaming: one batch at a time, so even a causal LM's
 ``[batch, seq, vocab]`` logits are never all held at once) over
 
 - ``torch``: attnx's PyTorch reference of the placed model (fp32, the literal formulas), and for

@@ -142,21 +142,24 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     lq, lk = query.shape[2], key.shape[2]
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            bias, row_valid = bias_from_allowed(attention_mask, query.dtype)
+            # No row-validity product: a fully masked row (a left-padded query) gets the uniform average
+            # of the finite-minimum bias, exactly as transformers' eager attention gives it (and no pass
+            # over the output for rows nobody reads).
+            bias, row_valid = bias_from_allowed(attention_mask, query.dtype)[0], None
             if call.tokens is None and lq == lk:
                 # the real tokens are the keys some query attends to (padding, causal or windowed masks alike)
                 call.tokens = attention_mask.any(dim=-2)[:, 0]
         else:  # an additive float mask (a family that builds its own)
-            bias = attention_mask.to(query.dtype)
-            row_valid = (attention_mask > torch.finfo(attention_mask.dtype).min / 2).any(-1, keepdim=True)
+            bias, row_valid = attention_mask.to(query.dtype), None
     else:
-        bias, row_valid = mask_bias(None, lq, lk, query.dtype, causal and lq > 1, device=query.device)
+        bias = mask_bias(None, lq, lk, query.dtype, causal and lq > 1, device=query.device)[0]
+        row_valid = None
     masking = Mask(bias, row_valid, call.tokens, call.hidden.get(id(core)))
     head_mask = None if call.head_mask is None else call.head_mask[core.layer_index]
     if core.training:
         core.dropout.p = float(dropout)  # the family's attention dropout (it passes 0 in eval)
     ctx = _context_for(core, call, query.shape[0])
-    return core.core(query, key, value, masking, head_mask, **ctx), None
+    return core.core(query, key, value, masking, head_mask, **ctx).contiguous(), None  # families .view() it
 
 
 def _context_for(module, call: Call, batch: int) -> dict[str, torch.Tensor]:

@@ -94,6 +94,10 @@ class Host(Hooked, nn.Module):
             raise ValueError("the model has no placed variant: attnx.pretrained.place(model, variant) first")
         self.hf = hf
         self.task = check_task(task)
+        if getattr(hf.config, "_experts_implementation", None) == "grouped_mm" and \
+                hasattr(hf, "set_experts_implementation"):
+            # mixture-of-experts: every expert on every token (exact; grouped_mm has no ONNX translation)
+            hf.set_experts_implementation("batched_mm")
         if st is not None and task != "feature-extraction":
             raise ValueError(f"a sentence-transformers folder is a feature-extraction model, not {task}")
         self.st = st

@@ -231,6 +231,10 @@ def place(model, variant: str | Placement = "mha", *, layers=None, append: int |
                                            head_size=last.head_dim, is_causal=last.is_causal)
                 blocks.append(AppendedBlock(spec, spec.attention(config), eps))
             layer_list[-1].attnx_layer.appended = nn.ModuleList(blocks)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if isinstance(embeddings, nn.Module):  # TransformerLens' hook_embed: the token embeddings, any family
+        embeddings.attnx_hook_embed = HookPoint()
+        embeddings.register_forward_hook(_embeddings_post)
     _name_hooks(model)
     model.attnx_context = tuple(s.name for s in context_inputs(model))
     for m in _entry_modules(model):
@@ -305,6 +309,9 @@ def _entry_modules(model) -> list[nn.Module]:
 
 
 def _name_hooks(model) -> None:
+    for module in model.modules():
+        if isinstance(getattr(module, "attnx_hook_embed", None), HookPoint):
+            module.attnx_hook_embed.name = "hook_embed"
     for i, block in enumerate(blocks(model)):
         prefix = f"blocks.{i}."
         for name, hp in block.attn.named_modules():
@@ -403,6 +410,10 @@ def _with_first(output, value):
     return output
 
 
+def _embeddings_post(module, args, output):
+    return module.attnx_hook_embed(output) if isinstance(output, torch.Tensor) else None
+
+
 def _attention_pre(module, args, kwargs):
     call = backend._CALL.get()
     if call is not None:
@@ -428,6 +439,8 @@ def _layer_pre(layer, args, kwargs):
 def _layer_post(layer, args, kwargs, output):
     hooks = layer.attnx_layer
     try:
+        if output is None:  # the layer raised (an always_call hook still runs): only close the forward
+            return None
         y = _first(output)
         call = backend.current_call()
         if hooks.fusion is not None:

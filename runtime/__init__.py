@@ -3,7 +3,11 @@
 Modules: ``session`` (the :class:`Session` interface, feed checks, :func:`load`), ``axes`` (batch and
 sequence axes of any ONNX file), ``backends/`` (ONNX Runtime, TensorRT engines), ``batcher``, ``text``
 (tokenising), ``encode`` (embedded text use), ``protocol`` (KServe v2 requests), ``http_codec``,
-``service`` (what both front ends share), ``server`` (HTTP), ``grpc_server``, ``metrics``.
+``service`` (what both front ends share), ``server`` (HTTP), ``grpc_server``, ``metrics``,
+``embeddings`` / ``openai_api`` / ``tei_api`` (the OpenAI and TEI embedding routes), ``auth`` (``--api-key``),
+``pooling`` (a sentence embedding for files with token embeddings only), ``model_checks`` (what a file's
+metadata promises, checked at load), ``pacing`` (refusing what cannot start before its deadline),
+``http_guard`` (header size and count, idle heads, file descriptors).
 Offline tooling lives elsewhere: engines in :mod:`attnx.engine`, parity in :mod:`attnx.parity`,
 Triton repositories and load tests in :mod:`attnx.deploy`.
 

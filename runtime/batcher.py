@@ -47,6 +47,7 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
+from attnx.runtime.pacing import Pace
 from attnx.runtime.session import InputError, Session, TensorSpec, model_input_error
 
 
@@ -245,7 +246,12 @@ def pad_values(inputs: list[TensorSpec], pad_id: int | None) -> dict[str, int]:
     """What padded positions hold: ``pad_id`` for token ids (when known), 0 for everything else."""
     if pad_id is None:
         return {}
-    return {s.name: int(pad_id) for s in inputs if s.role == Role.INPUT_IDS}
+    from attnx.runtime.model_checks import check_pad_id
+
+    ids = [s for s in inputs if s.role == Role.INPUT_IDS]
+    for spec in ids:  # every padded batch feeds it to the embedding table
+        check_pad_id(spec, int(pad_id), f"input {spec.name!r}")
+    return {s.name: int(pad_id) for s in ids}
 
 
 # --------------------------------------------------------------------------------------
@@ -306,6 +312,7 @@ class DynamicBatcher:
             pad_id = session.info.tokenizer.get("pad_id")
         self.layout = BatchLayout.of(session, pad_id)
         self.stats = BatcherStats()
+        self.pace = Pace()  # the best rate seen, for admission by work (attnx.runtime.pacing)
         self._waiting: deque[_Request] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -316,6 +323,11 @@ class DynamicBatcher:
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
+
+    def queued_parts(self) -> list[tuple[int, int]]:
+        """``(rows, length)`` of each waiting request: the work queued ahead of a new one."""
+        with self._cond:
+            return [(r.prepared.rows, r.prepared.length or 1) for r in self._waiting]
 
     def submit(
         self,
@@ -513,6 +525,7 @@ class DynamicBatcher:
     def _deliver(self, batch: list[_Request], results: list[dict[str, np.ndarray]], start: float) -> None:
         compute = time.perf_counter() - start
         rows = sum(r.prepared.rows for r in batch)
+        self.pace.observe(rows, max(r.prepared.length or 1 for r in batch), compute)
         self.stats.batches += 1
         self.stats.rows += rows
         self.stats.largest_batch = max(self.stats.largest_batch, rows)

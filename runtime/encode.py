@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from attnx.runtime.batcher import BatchLayout
 from attnx.runtime.session import InputError, Session, load
-from attnx.runtime.text import TextTokenizer, context_rows, text_feeds
+from attnx.runtime.text import TextTokenizer, context_rows, prepare_text_model, text_feeds
 
 #: ``output_value`` names accepted besides the model's own output names (sentence-transformers' words).
 ALIASES = {"token_embeddings": "last_hidden_state"}
@@ -67,6 +68,10 @@ class TextModel:
             raise ValueError(f"{self.session.path.name} carries no tokenizer: pass tokenizer=FOLDER "
                              f"(a folder with tokenizer.json)")
         self.tokenizer = found
+        # Refused if the tokenizer cannot feed the model; a file with token embeddings only is pooled as its
+        # sentence-transformers folder says (or the mean, said once): the `sentence_embedding` `attnx serve` gives.
+        self.session = prepare_text_model(self.session, found, tokenizer,
+                                          on_note=lambda m: warnings.warn(m, UserWarning, stacklevel=3))
         self.layout = BatchLayout.of(self.session, found.pad_id)
         self.outputs = {s.name: s for s in self.session.outputs}
 
@@ -85,9 +90,10 @@ class TextModel:
                context: Mapping[str, np.ndarray] | None = None) -> Any:
         """Embeddings of ``sentences``: ``[N, d]`` float32 (one sentence: ``[d]``).
 
-        ``output_value``: ``"sentence_embedding"`` (the export's own pooling; mean pooling of
-        ``last_hidden_state`` for a model without one, as sentence-transformers does for a plain
-        transformer), ``"token_embeddings"`` / ``"last_hidden_state"`` / ``"logits"`` or any output
+        ``output_value``: ``"sentence_embedding"`` (the export's own pooling; for a file without one,
+        ``last_hidden_state`` pooled as the tokenizer folder's sentence-transformers ``modules.json`` says,
+        else its mean, as sentence-transformers does for a plain transformer: :mod:`attnx.runtime.pooling`),
+        ``"token_embeddings"`` / ``"last_hidden_state"`` / ``"logits"`` or any output
         name (a list of ``[tokens, ...]`` arrays, one per sentence), or None for every output (a list
         of dicts). ``context``: per-sentence context inputs of a variant, ``[N, ...]`` each.
         ``convert_to_numpy=False`` gives a list of arrays in place of one stacked array."""
@@ -95,19 +101,17 @@ class TextModel:
             raise ValueError("batch_size must be >= 1")
         single = isinstance(sentences, str)
         texts = [sentences] if single else list(sentences)
-        names, pool = self._outputs_for(output_value)
+        names = self._outputs_for(output_value)
         rows = self._run_texts(texts, names, batch_size, show_progress_bar, context or {})
         if output_value is None:
             return rows[0] if single else rows
         name = names[0]
         values = [r[name][0] for r in rows]
-        if pool:
-            values = [v.mean(axis=0) for v in values]
         if normalize_embeddings:
             values = [v / max(float(np.linalg.norm(v)), 1e-12) for v in values]
         if single:
             return values[0]
-        per_token = self.outputs[name].seq_axis is not None and not pool
+        per_token = self.outputs[name].seq_axis is not None
         if convert_to_numpy and not per_token:
             return np.stack(values) if values else np.zeros((0, *self._row_shape(name)), np.float32)
         return values
@@ -120,15 +124,13 @@ class TextModel:
         return self.encode(texts, batch_size=batch_size, show_progress_bar=show_progress_bar, output_value="logits")
 
     # --- internals ------------------------------------------------------------------------
-    def _outputs_for(self, output_value: str | None) -> tuple[list[str], bool]:
-        """The outputs to run, and whether to mean-pool the first one."""
+    def _outputs_for(self, output_value: str | None) -> list[str]:
+        """The outputs to run."""
         if output_value is None:
-            return list(self.outputs), False
+            return list(self.outputs)
         name = ALIASES.get(output_value, output_value)
         if name in self.outputs:
-            return [name], False
-        if name == "sentence_embedding" and "last_hidden_state" in self.outputs:
-            return ["last_hidden_state"], True
+            return [name]
         raise ValueError(f"output_value {output_value!r}: the model gives {list(self.outputs)}")
 
     def _row_shape(self, name: str) -> tuple:

@@ -187,8 +187,9 @@ class GrpcFrontEnd:
 
     def __init__(self, registry: service.ModelRegistry, metrics: ServerMetrics, limits: proto.Limits, *,
                  host: str = "127.0.0.1", port: int = 8001, extensions: list[str] | None = None,
-                 budget: ByteBudget | None = None):
+                 budget: ByteBudget | None = None, interceptors: list | None = None):
         self.servicer = Servicer(registry, metrics, limits, extensions or [], budget)
+        self.interceptors = list(interceptors or [])  # e.g. the API-key check (attnx.runtime.auth)
         self.host, self.requested_port, self.limits = host, port, limits
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -221,7 +222,8 @@ class GrpcFrontEnd:
     async def _serve(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         size = max(self.limits.max_body_bytes, 4 << 20)
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+        server = grpc.aio.server(interceptors=self.interceptors,
+                                 options=[("grpc.max_receive_message_length", size),
                                           ("grpc.max_send_message_length", -1),
                                           ("grpc.so_reuseport", 0)])
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 import zlib
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import orjson
@@ -66,14 +67,51 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:n], body[n:]
 
 
-#: A flat list of numbers under a "data" key (no strings, objects or nested lists inside).
-_NUMBER_LIST = re.compile(rb'"data"\s*:\s*\[([-+0-9.eE,\s]*)\]')
+#: ``"data"`` then ``:`` and ``[`` with optional whitespace: where a list of numbers may start.
+_DATA_KEY = re.compile(rb'"data"\s*:\s*\[')
+#: What a flat list of JSON numbers is made of; a list holding anything else takes the plain parse.
+_NUMBER_CHARS = b"0123456789+-.eE, \t\r\n"
 #: What stands in for such a list while the rest of the body is parsed (random: clients cannot forge it).
 _MARK = "\x00attnx-numbers-" + secrets.token_hex(8) + "-"
 #: Bodies under _SMALL_BODY are parsed in one go (their Python objects are small; scanning costs CPU).
 #: In bigger ones, lists of at least _MIN_LIST bytes of text are decoded in slices of about _SLICE bytes,
-#: so a list never exists as millions of Python floats at once.
-_SMALL_BODY, _MIN_LIST, _SLICE = 1 << 20, 16 << 10, 1 << 20
+#: so a list never exists as millions of Python floats at once. Between slices the decoding thread lets
+#: the GIL go (_yield): every C call here holds it, and one long hold (a regex over 30 MB held it 76 ms)
+#: stalls the event loop's every socket read behind it, so 503s to other clients waited up to a second.
+_SMALL_BODY, _MIN_LIST, _SLICE = 1 << 20, 16 << 10, 256 << 10
+
+
+def _yield() -> None:
+    time.sleep(0)  # releases the GIL: a thread waiting for it (the event loop) runs now, not in 5+ ms
+
+
+def _number_lists(part) -> list[tuple[int, int]]:
+    """``(start, end)`` of each ``"data": [...]`` list of at least _MIN_LIST bytes with no ``[`` inside, found
+    with ``find`` (C, no per-byte Python) a slice at a time; what it holds is judged when it is decoded."""
+    spans, pos = [], 0
+    while (key := part.find(b'"data"', pos)) >= 0:
+        head = _DATA_KEY.match(part, key, key + 64)
+        if head is None:
+            pos = key + 6
+            continue
+        start = head.end()
+        end = part.find(b"]", start)
+        if end < 0:
+            break
+        if end - start >= _MIN_LIST and part.find(b"[", start, end) < 0:
+            spans.append((start, end))
+        pos = end + 1
+        _yield()
+    return spans
+
+
+def _count(part, value: bytes, start: int, end: int) -> int:
+    """``part.count(value, start, end)`` in slices, letting the GIL go between them."""
+    total = 0
+    for pos in range(start, end, _SLICE * 16):
+        total += part.count(value, pos, min(end, pos + _SLICE * 16))
+        _yield()
+    return total
 
 
 def _loads(part) -> Any:
@@ -94,7 +132,7 @@ def parse_json(part) -> Any:
     (int64 or float64, as the plain parse would give) without a Python object per element."""
     if len(part) < _SMALL_BODY:
         return _loads(part)
-    found = [m.span(1) for m in _NUMBER_LIST.finditer(part) if m.end(1) - m.start(1) >= _MIN_LIST]
+    found = _number_lists(part)
     if not found:
         return _loads(part)
     pieces, pos, spans = [], 0, {}
@@ -109,27 +147,40 @@ def parse_json(part) -> Any:
     for item in inputs if isinstance(inputs, list) else ():
         data = item.get("data") if isinstance(item, dict) else None
         if isinstance(data, str) and data in spans:
-            item["data"] = _decode_numbers(part, *spans[data])
+            item["data"] = _decode_numbers(part, *spans[data], _NARROW.get(item.get("datatype")))
             if item["data"] is None:  # something the fast path does not judge: the plain parse says what
                 return _loads(part)
     return tree
 
 
-def _decode_numbers(part, start: int, end: int) -> np.ndarray | None:
-    """``part[start:end]`` (comma-separated JSON numbers) -> int64/float64 array, one slice at a time."""
-    count = part.count(b",", start, end) + 1
+#: Float inputs whose numbers are stored straight into their own dtype, slice by slice: no float64 copy
+#: of the whole tensor (a value past the dtype's range becomes inf there, which the finite check refuses,
+#: as the cast after a float64 parse did). Integers stay int64 so out-of-range values are still caught.
+_NARROW = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}
+
+
+def _decode_numbers(part, start: int, end: int, narrow: np.dtype | None = None) -> np.ndarray | None:
+    """``part[start:end]`` (comma-separated JSON numbers) -> int64/float64 array (or ``narrow``, a float
+    dtype, when given), one slice at a time."""
+    count = _count(part, b",", start, end) + 1
     out, filled, pos = None, 0, start
     while pos < end:
         stop = end if end - pos <= _SLICE else part.find(b",", pos + _SLICE, end)
         stop = end if stop < 0 else stop
-        values = np.array(_loads(b"[" + part[pos:stop] + b"]"))
+        text = part[pos:stop]
+        if text.translate(None, _NUMBER_CHARS):
+            return None  # strings, objects, literals: the plain parse judges them
+        values = np.array(_loads(b"[" + text + b"]"))
         if values.dtype.kind not in "if" or filled + values.size > count:
             return None  # huge integers (object / uint64) or a malformed list
+        if out is None and narrow is not None:
+            out = np.empty(count, narrow)
         if out is None or (out.dtype.kind == "i" and values.dtype.kind == "f"):
             out = (np.empty(count, values.dtype) if out is None else out.astype(np.float64))
         out[filled:filled + values.size] = values
         filled += values.size
         pos = stop + 1
+        _yield()
     return out if out is not None and filled == count else None
 
 
@@ -187,9 +238,11 @@ def _not_a_list(name: str):
 
 
 class NonFiniteOutput(ProtocolError):
-    """A JSON output holds NaN or an infinity, which JSON (RFC 8259) has no way to write."""
+    """A JSON output holds NaN or an infinity, which JSON (RFC 8259) has no way to write. Inputs are checked
+    finite before they run, so the request's own values drove the model past float range (a smal ``trace``
+    of 3e38): the client's input, 422, not a server error."""
 
-    status = 500
+    status = 422
     reason = "non_finite_output"
 
 
@@ -218,8 +271,10 @@ def encode_infer_response(
             chunks.append(data)
         else:
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise NonFiniteOutput(f"output {name!r} holds NaN or infinite values, which JSON cannot carry; "
-                                      f"ask for it as binary data (parameters.binary_data: true)")
+                raise NonFiniteOutput(f"output {name!r} holds NaN or infinite values: this request's inputs"
+                                      f"{_largest_input(request.feeds)} took the model past float range, and JSON "
+                                      f"cannot carry the result; send smaller values, or ask for the output as "
+                                      f"binary data (parameters.binary_data: true) to get it as it is")
             entry["data"] = np.ascontiguousarray(arr).reshape(-1)
         entries.append(entry)
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
@@ -229,6 +284,54 @@ def encode_infer_response(
     if not chunks:
         return header, None
     return header + b"".join(chunks), len(header)
+
+
+#: Elements per piece of a streamed JSON response (about 1 MB of text).
+_STREAM_ELEMENTS = 64 << 10
+
+
+def stream_json_response(model_name: str, model_version: str, request: InferRequest, outputs: dict[str, np.ndarray],
+                         order: list[str]) -> Iterator[bytes] | None:
+    """The JSON response (every output as JSON data) as pieces of about 1 MB, for a body too big to build
+    whole: six concurrent 30 MB answers would otherwise each exist as one bytes object until sent. None
+    when some output goes as binary data (that body is mostly raw bytes already). Outputs are checked
+    before the first piece (:class:`NonFiniteOutput`), so a refusal is still a whole error response."""
+    names = request.outputs if request.outputs is not None else [n for n in order if n in outputs]
+    if any(request.binary.get(n, request.binary_default) for n in names):
+        return None
+    arrays = [(n, np.asarray(outputs[n])) for n in names]
+    for name, arr in arrays:
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise NonFiniteOutput(f"output {name!r} holds NaN or infinite values: this request's inputs"
+                                  f"{_largest_input(request.feeds)} took the model past float range, and JSON "
+                                  f"cannot carry the result; send smaller values, or ask for the output as "
+                                  f"binary data (parameters.binary_data: true) to get it as it is")
+
+    def pieces() -> Iterator[bytes]:
+        head = {"model_name": model_name, "model_version": model_version}
+        if request.id is not None:
+            head["id"] = request.id
+        yield orjson.dumps(head)[:-1] + b',"outputs":['
+        for i, (name, arr) in enumerate(arrays):
+            entry = orjson.dumps({"name": name, "datatype": triton_dtype(arr.dtype), "shape": list(arr.shape)})
+            yield (b"," if i else b"") + entry[:-1] + b',"data":['
+            flat = np.ascontiguousarray(arr).reshape(-1)
+            for start in range(0, flat.size, _STREAM_ELEMENTS):
+                text = orjson.dumps(flat[start:start + _STREAM_ELEMENTS], option=orjson.OPT_SERIALIZE_NUMPY)
+                yield (b"," if start else b"") + text[1:-1]
+            yield b"]}"
+        yield b"]}"
+
+    return pieces()
+
+
+def _largest_input(feeds: dict[str, np.ndarray]) -> str:
+    """`` (largest |value|: 3e+38 in 'trace')`` over the float inputs, or nothing when there are none."""
+    found = [(float(np.abs(a).max()), n) for n, a in feeds.items() if a.dtype.kind == "f" and a.size]
+    if not found:
+        return ""
+    value, name = max(found)
+    return f" (largest |value|: {value:.3g} in {name!r})"
 
 
 def error_body(message: str) -> bytes:

@@ -102,7 +102,9 @@ class Limits:
     - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
     - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it
       declares one, else unlimited).
-    - ``max_texts``: strings in one text request, default 1024.
+    - ``max_texts``: strings in one text request (inputs of an OpenAI or TEI embedding request), default 1024.
+    - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and
+      truncation, default 300,000 (OpenAI's own per-request limit); over it is a 413.
     - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests
       (default: the larger of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to
       ``decode_wait_s`` seconds, then get 503. Decoding JSON costs a few times the body's size.
@@ -115,12 +117,13 @@ class Limits:
     max_request_elements: int = 32 << 20
     max_seq: int | None = None
     max_texts: int = 1024
+    max_request_tokens: int | None = 300_000
     max_decode_bytes: int | None = None
     decode_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_tensor_elements", "max_request_elements", "max_texts",
-                     "max_seq", "max_decode_bytes"):
+                     "max_request_tokens", "max_seq", "max_decode_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -158,8 +161,9 @@ class ModelSignature:
     @property
     def optional_inputs(self) -> set[str]:
         # The attention mask, segment ids and a head mask may be omitted: all ones / zeros / all ones
-        # (no head ablated) then (see session.py).
-        return {s.name for s in self.inputs if s.role in OPTIONAL_ROLES or s.role == Role.HEAD_MASK}
+        # (no head ablated) then, and so may an input whose metadata gives it a default (see session.py).
+        return {s.name for s in self.inputs
+                if s.role in OPTIONAL_ROLES or s.role == Role.HEAD_MASK or s.default is not None}
 
     @property
     def text_filled(self) -> set[str]:
@@ -421,7 +425,8 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
         mixed = sorted(sig.text_filled & set(feeds))
         if mixed:
             raise BadRequest(f"send either text ({sig.text.name!r}) or token ids ({mixed}), not both")
-        missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in sig.text_filled]
+        missing = [s.name for s in sig.inputs
+                   if s.name not in feeds and s.name not in sig.text_filled and s.name not in sig.optional_inputs]
     else:
         missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in sig.optional_inputs]
     if missing:

@@ -6,6 +6,11 @@ The unmodified ``tritonclient.http`` and ``tritonclient.grpc`` clients work agai
 - ``GET  /v2/models/{m}[/versions/{v}]`` (model metadata), ``.../ready``, ``.../config``
 - ``POST /v2/models/{m}[/versions/{v}]/infer``: JSON tensors and the binary tensor data extension
 - ``POST /v2/repository/index``; ``GET /metrics`` (Prometheus)
+- the OpenAI embeddings API (``/v1/embeddings``, ``/v1/models``: :mod:`attnx.runtime.openai_api`) and TEI's
+  ``/embed``, ``/predict``, ``/rerank``, ``/info``, ``/health`` (:mod:`attnx.runtime.tei_api`), Cohere/Jina's
+  ``/v1/rerank`` (:mod:`attnx.runtime.rerank_api`) and Infinity's ``/classify``
+  (:mod:`attnx.runtime.classify_api`), on the same batchers and limits; with
+  ``api_key``, a bearer key on everything but health (:mod:`attnx.runtime.auth`)
 
 The gRPC service (:mod:`attnx.runtime.grpc_server`) runs beside it when a gRPC port is given.
 Models that carry a tokenizer (or get one with ``tokenizers=``) take text as a ``BYTES`` input.
@@ -17,9 +22,12 @@ either (health probes stay fast under JSON load). Admission, before the body is
 read: a full queue answers 503 at once, and the bytes of bodies being read and
 decoded are bounded (:class:`~attnx.runtime.admission.ByteBudget`, shared with
 gRPC). Errors are ``{"error": "..."}``: 400 bad input, 404 unknown model or
-version, 413 body over the limit, 503 overload (queue full, decode budget,
-queue timeout, shutting down; with ``Retry-After``), 500 for a JSON output
-holding NaN/Inf (which JSON cannot carry; binary can) and for bugs. A client
+version, 413 body over the limit (or more work than can start before the
+queue deadline, :mod:`~attnx.runtime.pacing`), 422 for a JSON output the request's
+inputs drove to NaN/Inf (which JSON cannot carry; binary can), 431 / 408 for a
+request head too large or too slow (:mod:`~attnx.runtime.http_guard`), 503
+overload (queue full, decode budget, queue timeout, shutting down; with
+``Retry-After``), 500 for bugs. A client
 that disconnects mid-body is counted as ``client_disconnect``, not an error.
 
 Shutdown (Ctrl-C, SIGTERM or :meth:`InferenceServer.stop`) stops accepting
@@ -43,7 +51,7 @@ from typing import Any, Callable, Mapping
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -52,17 +60,26 @@ import attnx.runtime.http_codec as codec
 import attnx.runtime.protocol as proto
 from attnx.runtime import service
 from attnx.runtime.admission import ByteBudget, declared_length, read_body
+from attnx.runtime.auth import ApiKey, ApiKeyMiddleware, GrpcApiKeyInterceptor
 from attnx.runtime.batcher import BatcherConfig, BatchLayout, DynamicBatcher
+from attnx.runtime.http_guard import HttpLimits, protocol_class
+from attnx.runtime.embeddings import Dimensions, EmbeddingApi
 from attnx.runtime.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from attnx.runtime.openai_api import add_openai_routes
 from attnx.runtime.service import ModelRegistry, ServedModel
 from attnx.runtime.session import Session, load, public_message
-from attnx.runtime.text import TextTokenizer
+from attnx.runtime.tei_api import add_tei_routes
+from attnx.runtime.rerank_api import add_rerank_routes
+from attnx.runtime.classify_api import add_classify_routes
+from attnx.runtime.text import TextTokenizer, prepare_text_model
 
 SERVER_NAME = "attnx"
 #: Protocol extensions we implement (Triton names).
 EXTENSIONS = ["binary_tensor_data", "model_repository(index)", "statistics(prometheus)"]
 #: Parse/encode bodies larger than this in a worker thread, so big JSON does not stall the loop.
 _OFFLOAD_PARSE_BYTES = 32 << 10
+#: All-JSON answers with more output bytes than this are streamed in pieces (http_codec.stream_json_response).
+_STREAM_JSON_BYTES = 1 << 20
 log = logging.getLogger("attnx.serve")
 
 Overloaded = proto.Overloaded  # kept importable from here
@@ -190,6 +207,12 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
             finally:
                 admitted[name] -= 1
             outputs = await service.infer(model, parsed)
+            if sum(a.nbytes for a in outputs.values()) > _STREAM_JSON_BYTES:
+                pieces = codec.stream_json_response(model.name, model.version, parsed, outputs,
+                                                    model.session.output_names)
+                if pieces is not None:  # a big all-JSON answer goes out a piece at a time, never whole
+                    metrics.success(label, time.perf_counter() - started)
+                    return StreamingResponse(pieces, media_type="application/json")
             encode = functools.partial(
                 codec.encode_infer_response, model.name, model.version, parsed, outputs, model.session.output_names
             )
@@ -277,7 +300,12 @@ class InferenceServer:
     one) adds the gRPC service. ``tokenizers`` maps model names (or ``None``: every model) to a
     tokenizer folder, for files that carry none; ``axes`` (an :class:`~attnx.runtime.axes.AxisFlags`)
     names batch/sequence axes the file does not. ``on_warning`` hears each start-up warning (a model
-    served unbatched), by default the ``attnx.serve`` logger.
+    served unbatched), by default the ``attnx.serve`` logger. The OpenAI (``/v1/embeddings``) and TEI
+    (``/embed``) routes serve every model with a tokenizer and a sentence embedding; ``dimensions`` (an
+    :class:`~attnx.runtime.embeddings.Dimensions`) says which may be cut shorter. ``api_key``: every route
+    but the health checks, HTTP and gRPC, then needs ``Authorization: Bearer KEY`` (:mod:`attnx.runtime.auth`).
+    ``http_limits`` (:class:`~attnx.runtime.http_guard.HttpLimits`) bounds each connection's request head
+    (431), the time to send it (408) and the descriptors idle connections may hold.
     """
 
     def __init__(
@@ -296,9 +324,13 @@ class InferenceServer:
         tokenizers: Mapping[str | None, str | os.PathLike] | None = None,
         axes=None,
         on_warning: Callable[[str], None] | None = None,
+        api_key: str | None = None,
+        dimensions=None,
+        http_limits: HttpLimits | None = None,
     ):
         if not models:
             raise ValueError("no models to serve")
+        self.http_limits = http_limits or HttpLimits()
         self.config = ServerConfig(host, port, graceful_timeout_s, log_level, grpc_port)
         self.batching = batching or BatcherConfig()
         self.limits = limits or proto.Limits()
@@ -312,6 +344,8 @@ class InferenceServer:
             folder = tokenizers.get(name, tokenizers.get(None))
             tokenizer = (TextTokenizer.from_folder(folder, self.limits.max_seq) if folder is not None
                          else TextTokenizer.from_export(session.path, session.info))
+            if tokenizer is not None:  # refused at load if it cannot feed this model; pooled as its folder says
+                session = prepare_text_model(session, tokenizer, folder, self.warnings.append)
             batcher = DynamicBatcher(session, self.batching, observer=self.metrics.observer(name), name=name,
                                      pad_id=tokenizer.pad_id if tokenizer is not None else None)
             self.metrics.queue_depth.labels(model=name).set_function(lambda b=batcher: b.queue_depth)
@@ -321,13 +355,23 @@ class InferenceServer:
         for message in self.warnings:
             (on_warning or log.warning)(message)
         self.grpc = None
+        key = ApiKey(api_key) if api_key else None
         if grpc_port is not None:
             from attnx.runtime.grpc_server import GrpcFrontEnd
 
             self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
-                                     extensions=EXTENSIONS, budget=self.budget)
+                                     extensions=EXTENSIONS, budget=self.budget,
+                                     interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
         self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._stop_grpc,
                               budget=self.budget)
+        # The OpenAI and TEI embedding routes: the same models, batchers, limits, budget and metrics.
+        api = EmbeddingApi(self.registry, self.metrics, self.limits, self.budget, dimensions or Dimensions())
+        add_openai_routes(self.app, api)
+        add_tei_routes(self.app, api)
+        add_rerank_routes(self.app, api)  # sequence classifiers: Cohere/Jina rerank, Infinity classify
+        add_classify_routes(self.app, api)
+        if key:
+            self.app.add_middleware(ApiKeyMiddleware, key=key)
         self._socket: socket.socket | None = None
         self._bound_port: int | None = None
         self._uvicorn = None
@@ -350,7 +394,13 @@ class InferenceServer:
                 t = m.tokenizer
                 lines.append(f"  text input {proto.TEXT_INPUT!r} (BYTES [-1]): {t.file}, max length {t.max_length}, "
                              f"truncation {t.truncation_side}, pad id {t.pad_id}")
+            pooling = getattr(m.session, "pooling", None)
+            if pooling is not None:
+                lines.append(f"  sentence_embedding: last_hidden_state, {pooling.describe()}")
             lines.append(f"  -> {layout.verdict()}")
+            cfg = m.batcher.config
+            lines.append(f"  -> at most {cfg.max_batch_size} rows and "
+                         f"{cfg.max_batch_tokens if cfg.max_batch_tokens else 'any number of'} tokens a batch")
             unpadded = [s.name for s in m.session.outputs if s.seq_axis is not None]
             split = [s.name for s in m.session.outputs if s.seq_axis is None and s.batch_axis is not None]
             if layout.can_batch:
@@ -380,6 +430,9 @@ class InferenceServer:
             access_log=False,
             timeout_graceful_shutdown=self.config.graceful_timeout_s,
             lifespan="on",
+            # Header size/count, idle heads and descriptors are bounded per connection (runtime/http_guard.py).
+            http=protocol_class(self.http_limits),
+            h11_max_incomplete_event_size=self.http_limits.max_header_bytes,
         )
         self._uvicorn = _QuietExitServer(config)
         return self._uvicorn

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from attnx.runtime import pacing
 from attnx.runtime import protocol as proto
 from attnx.runtime.batcher import BatcherClosedError, DynamicBatcher, QueueFullError, RequestTimeoutError
 from attnx.runtime.session import InputError, Session
@@ -70,6 +71,9 @@ class ServedModel:
         if self.tokenizer is not None:
             inputs.insert(0, {"name": proto.TEXT_INPUT, "datatype": proto.BYTES, "shape": [-1]})
             out["parameters"] = {"text_input": proto.TEXT_INPUT, **self.tokenizer.describe()}
+        defaults = {s.name: s.default for s in self.session.inputs if s.default is not None}
+        if defaults:  # inputs a request may leave out, and what they are then (the metadata's word)
+            out.setdefault("parameters", {})["input_defaults"] = defaults
         out["inputs"] = inputs
         out["outputs"] = [tensor(s) for s in self.session.outputs]
         return out
@@ -81,13 +85,18 @@ class ServedModel:
         params = None
         if self.tokenizer is not None:
             params = {k: str(v) for k, v in {"text_input": proto.TEXT_INPUT, **self.tokenizer.describe()}.items()}
-        return model_config(
+        config = model_config(
             self.name,
             self.session,
             max_batch_size=self.batcher.config.max_batch_size,
             max_queue_delay_us=int(self.batcher.config.max_queue_delay_ms * 1000),
             parameters=params,
         )
+        defaults = {s.name for s in self.session.inputs if s.default is not None}
+        for entry in config["input"]:  # Triton's own word for an input a request may omit
+            if entry["name"] in defaults:
+                entry["optional"] = True
+        return config
 
 
 class ModelRegistry:
@@ -121,7 +130,7 @@ class ModelRegistry:
 async def infer(model: ServedModel, request: proto.InferRequest) -> dict[str, np.ndarray]:
     """Run one checked request through the model's batcher; its outputs (only those asked for)."""
     if request.texts is None:
-        return await _submit_all(model, [request.feeds], request)
+        return await _submit_all(model, [request.feeds], request.outputs, request.timeout_ms, per_row=False)
     texts = request.texts
     tokenize = functools.partial(model.tokenizer.tokenize, texts, truncate=request.truncate)
     try:
@@ -129,23 +138,40 @@ async def infer(model: ServedModel, request: proto.InferRequest) -> dict[str, np
             encoded = await asyncio.to_thread(tokenize)
         else:
             encoded = tokenize()
+        check_token_budget(sum(e.length for e in encoded), model.limits)
         contexts = context_rows(model.session.inputs, request.feeds, len(texts))
         feeds = [text_feeds(model.session.inputs, e, c) for e, c in zip(encoded, contexts)]
     except InputError as e:
         raise proto.BadRequest(f"input {proto.TEXT_INPUT!r}: {e}") from None
-    parts = await _submit_all(model, feeds, request)
+    parts = await _submit_all(model, feeds, request.outputs, request.timeout_ms, per_row=True)
     return stack_rows(parts, model.session.outputs)
 
 
-async def _submit_all(model: ServedModel, feeds: list[dict[str, np.ndarray]], request: proto.InferRequest):
-    """Queue every part of a request (all or none), then await them; one result, or a list for several."""
+async def infer_rows(model: ServedModel, rows: list[dict[str, np.ndarray]], outputs: list[str] | None,
+                     timeout_ms: float | None = None) -> list[dict[str, np.ndarray]]:
+    """Each row (one text's feeds) joins the batcher on its own, as a text request's texts do; their outputs
+    in order. The OpenAI and TEI routes (:mod:`attnx.runtime.embeddings`) run their inputs through here."""
+    return await _submit_all(model, rows, outputs, timeout_ms, per_row=True)
+
+
+async def _submit_all(model: ServedModel, feeds: list[dict[str, np.ndarray]], outputs: list[str] | None,
+                      timeout_ms: float | None, per_row: bool, paced: bool = False):
+    """Queue every part of a request (all or none), then await them; one result, or (``per_row``) a list.
+    What cannot start before its deadline is refused first (:mod:`attnx.runtime.pacing`)."""
+    if not paced:
+        async def submit(part):
+            found = await _submit_all(model, part, outputs, timeout_ms, per_row, paced=True)
+            return found if per_row else [found]
+
+        results = await pacing.run(model.batcher, feeds, timeout_ms, submit)
+        return results if per_row else results[0]
     futures = []
     try:
         for f in feeds:
-            futures.append(model.batcher.submit(f, output_names=request.outputs, timeout_ms=request.timeout_ms))
+            futures.append(model.batcher.submit(f, output_names=outputs, timeout_ms=timeout_ms))
     except InputError as e:
         _cancel(futures)
-        where = f"text {len(futures)}: " if request.texts is not None else ""
+        where = f"text {len(futures)}: " if per_row else ""
         raise proto.BadRequest(where + str(e)) from None
     except QueueFullError as e:
         _cancel(futures)
@@ -166,7 +192,14 @@ async def _submit_all(model: ServedModel, feeds: list[dict[str, np.ndarray]], re
         raise proto.Overloaded(str(failed), "shutting_down") from None
     if failed is not None:
         raise failed
-    return results[0] if request.texts is None else results
+    return results if per_row else results[0]
+
+
+def check_token_budget(tokens: int, limits: proto.Limits) -> None:
+    """413 for a request whose texts come to more tokens than ``limits.max_request_tokens``."""
+    if limits.max_request_tokens is not None and tokens > limits.max_request_tokens:
+        raise proto.TooLarge(f"the request's inputs come to {tokens} tokens, over the limit of "
+                             f"{limits.max_request_tokens} tokens per request; send fewer or shorter inputs")
 
 
 def _cancel(futures) -> None:

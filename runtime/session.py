@@ -14,7 +14,8 @@ default roles for any other file.
 
 Feeds may omit ``attention_mask``: it then means "every token is real" (all ones for the
 request's length), and ``token_type_ids`` (all zeros: one segment), the same convention the batcher
-and the server use. Integer inputs with a declared ``[low, high)`` range (token ids, type ids) are
+and the server use; so may an input whose metadata entry has ``default: "zeros"`` (a neutral placed
+variant's context inputs), which is then zeros of the request's batch size. Integer inputs with a declared ``[low, high)`` range (token ids, type ids) are
 checked against it.
 """
 
@@ -54,6 +55,8 @@ class TensorSpec:
     role: str = Role.CONTEXT
     #: ``[low, high)`` of an integer input that indexes a table (token ids, type ids); None: unchecked.
     range: tuple[int, int] | None = None
+    #: What fills this input when a request omits it (``"zeros"`` | ``"ones"``, from the metadata); None: required.
+    default: str | None = None
 
     @property
     def rank(self) -> int:
@@ -75,6 +78,8 @@ class TensorSpec:
         out = {"name": self.name, "dtype": np.dtype(self.dtype).name, "shape": list(self.shape), "role": self.role}
         if self.range is not None:
             out["range"] = list(self.range)
+        if self.default is not None:
+            out["default"] = self.default
         return out
 
 
@@ -99,7 +104,8 @@ def merge_specs(file_specs: Iterable[FileSpec], entries: Sequence[TensorEntry] |
                     named = mshape[axis]
             shape.append(named)
         role = entry.role if entry is not None else default_role(name, is_input)
-        specs.append(TensorSpec(name, np.dtype(dtype), tuple(shape), role, entry.range if entry is not None else None))
+        specs.append(TensorSpec(name, np.dtype(dtype), tuple(shape), role, entry.range if entry is not None else None,
+                                entry.default if entry is not None and is_input else None))
     return specs
 
 
@@ -205,6 +211,9 @@ class Session:
         for spec in self.inputs:  # an omitted head mask keeps every head (no ablation)
             if spec.role == Role.HEAD_MASK and spec.name not in checked and all(isinstance(d, int) for d in spec.shape):
                 checked[spec.name] = np.ones(spec.shape, dtype=spec.dtype)
+        for spec in self.inputs:  # the metadata says what an omitted input means (a neutral variant's context)
+            if spec.default in ("zeros", "ones") and spec.name not in checked:
+                checked[spec.name] = default_mask(spec, checked, self.inputs, 0 if spec.default == "zeros" else 1)
         missing = [s.name for s in self.inputs if s.name not in checked]
         if missing:
             raise InputError(f"missing input(s) {missing}; the model takes {self.input_names}")
@@ -351,4 +360,8 @@ def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None =
         session = EngineSession(p, onnx_path=opts.get("onnx_path"))
     else:
         raise ValueError(f"{p}: unknown model type {suffix!r} (expected .onnx or .engine)")
-    return apply_axes(session, axes)
+    from attnx.runtime.model_checks import check_metadata
+
+    session = apply_axes(session, axes)
+    check_metadata(session)  # tampered metadata is refused here, not inside every request
+    return session

@@ -8,7 +8,8 @@ batcher pads, with the pad id) and its own truncation replaced by the export's: 
 ``tokenizer.json`` pads every text to 128 and truncates at 128, while sentence-transformers truncates
 at ``max_seq_length`` 256 (docs: /work/shared/spec/environment.md).
 
-Each text becomes one row of token ids (:class:`Encoded`); :func:`text_feeds` turns it into a
+Each text, or (query, document) pair for a cross-encoder (:meth:`TextTokenizer.tokenize_pairs`: the pair
+template, longest-first truncation), becomes one row of token ids (:class:`Encoded`); :func:`text_feeds` turns it into a
 model's inputs (``input_ids``, an all-ones ``attention_mask``, ``token_type_ids``, and any per-example
 context row) and :func:`stack_rows` puts per-text outputs back together, padding outputs with a
 sequence axis with zeros to the longest text. The server (:mod:`attnx.runtime.service`) and the
@@ -76,7 +77,7 @@ class TextTokenizer:
             tok.no_padding()
             tok.no_truncation()
         if max_length is not None:
-            self._cut.enable_truncation(max_length, direction=truncation_side)
+            self._cut.enable_truncation(max_length, strategy="longest_first", direction=truncation_side)
         self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
 
     # --- construction ----------------------------------------------------------
@@ -87,14 +88,21 @@ class TextTokenizer:
         if info is None or not info.tokenizer:
             return None
         tok = info.tokenizer
+        if not isinstance(tok, dict):
+            raise ContractError(f"{Path(model_path).name}: attnx.tokenizer metadata is not an object")
         base = Path(model_path).resolve().parent
         folder = contained(base, str(tok.get("dir", "")), "tokenizer folder")
         file = contained(folder, str(tok.get("file", "tokenizer.json")), "tokenizer file")
         if not file.is_file():
             raise FileNotFoundError(f"{Path(model_path).name} names the tokenizer {file}, which is missing "
                                     f"(keep the .tokenizer folder beside the model)")
-        return cls(file, max_length=int(tok["max_length"]), truncation_side=str(tok.get("truncation_side", "right")),
-                   pad_id=int(tok.get("pad_id", 0)), model_type=tok.get("model_type"))
+        max_length, pad_id = tok.get("max_length"), tok.get("pad_id", 0)
+        for key, value in (("max_length", max_length), ("pad_id", pad_id)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ContractError(f"{Path(model_path).name}: attnx.tokenizer {key} {value!r} is not an integer "
+                                    f"(the file's metadata was changed; re-export it)")
+        return cls(file, max_length=max_length, truncation_side=str(tok.get("truncation_side", "right")),
+                   pad_id=pad_id, model_type=tok.get("model_type"))
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, max_length: int | None = None) -> "TextTokenizer":
@@ -122,6 +130,13 @@ class TextTokenizer:
         probe.pad_id = int(pad_id)
         return probe
 
+    def limit(self, max_length: int) -> None:
+        """Truncate at ``max_length`` tokens from now on (a tokenizer that states no limit, on a model that has one)."""
+        if max_length < 2:
+            raise ContractError(f"tokenizer max length {max_length} is too small")
+        self.max_length = max_length
+        self._cut.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
+
     def describe(self) -> dict[str, Any]:
         """What clients are told (model metadata parameters)."""
         return {"max_length": self.max_length, "truncation_side": self.truncation_side,
@@ -136,19 +151,36 @@ class TextTokenizer:
                 raise InputError(f"text {i} is {type(text).__name__}, not a string")
             if not text and not allow_empty:
                 raise InputError(f"text {i} is empty")
+        return self._encode(list(texts), truncate, "text")
+
+    def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Encoded]:
+        """Token ids for each ``(first, second)`` pair, in the tokenizer's own pair template (BERT:
+        ``[CLS] a [SEP] b [SEP]``, segment ids 1 on ``b``), as a cross-encoder is fed a (query, document).
+
+        Past the max length, tokens come off the longer of the two texts, one at a time, until the pair
+        fits ("longest first", on the truncation side): what sentence-transformers' CrossEncoder asks of
+        transformers' tokenizer (``truncation="longest_first"``, the same Rust code) and what TEI does, so
+        a long document never pushes the query out. Either text may be empty (the template still gives
+        tokens)."""
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+                raise InputError(f"pair {i} is not two strings")
+        return self._encode([tuple(p) for p in pairs], truncate, "pair")
+
+    def _encode(self, inputs: list, truncate: bool, what: str) -> list[Encoded]:
         tok = self._cut if truncate else self._full
         try:
-            encodings = tok.encode_batch(list(texts))
+            encodings = tok.encode_batch(inputs)
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates, which are not UTF-8
             raise InputError(f"cannot tokenise the text: {' '.join(str(e).split())[:200]}") from None
         out = []
         for i, enc in enumerate(encodings):
             ids = np.asarray(enc.ids, dtype=np.int64)
             if not truncate and self.max_length is not None and ids.shape[0] > self.max_length:
-                raise InputError(f"text {i} has {ids.shape[0]} tokens, more than the model's max length "
+                raise InputError(f"{what} {i} has {ids.shape[0]} tokens, more than the model's max length "
                                  f"{self.max_length} (and truncation is off for this request)")
             if ids.shape[0] == 0:
-                raise InputError(f"text {i} gives no tokens")
+                raise InputError(f"{what} {i} gives no tokens")
             out.append(Encoded(ids, np.asarray(enc.type_ids, dtype=np.int64), bool(enc.overflowing)))
         return out
 
@@ -248,3 +280,17 @@ def stack_rows(parts: Sequence[Mapping[str, np.ndarray]], outputs: Sequence[Tens
             arrays = padded
         merged[name] = np.concatenate(arrays, axis=b)
     return merged
+
+
+def prepare_text_model(session, tokenizer: TextTokenizer, folder: str | os.PathLike | None, on_note=None):
+    """A session ready to be fed by ``tokenizer`` (its folder: ``folder``, else the tokenizer file's own):
+    refused when the tokenizer cannot feed it (:func:`attnx.runtime.model_checks.check_text_model`), and
+    given a pooled ``sentence_embedding`` when it has only token embeddings
+    (:func:`attnx.runtime.pooling.with_pooling`; ``on_note`` hears which pooling, when nothing says)."""
+    from attnx.runtime.model_checks import check_text_model
+    from attnx.runtime.pooling import with_pooling
+
+    folder = Path(folder) if folder is not None else tokenizer.file.parent
+    folder = folder.parent if folder.is_file() else folder  # --tokenizer may name the tokenizer.json itself
+    check_text_model(session, tokenizer, folder)
+    return with_pooling(session, folder, on_note=on_note)

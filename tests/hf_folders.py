@@ -71,6 +71,9 @@ FAMILIES = {f.name: f for f in [
            dict(SIZE, max_position_embeddings=POSITIONS, num_labels=3,
                 id2label={0: "negative", 1: "neutral", 2: "positive"},
                 label2id={"negative": 0, "neutral": 1, "positive": 2}), variant="smal"),
+    # an ms-marco cross-encoder's shape: one relevance logit (served by /rerank, /v1/rerank)
+    Family("bert-cross-encoder", "BertConfig", "BertForSequenceClassification", "wordpiece",
+           dict(SIZE, max_position_embeddings=POSITIONS, num_labels=1), variant="cultural"),
     Family("qwen2-classifier", "Qwen2Config", "Qwen2ForSequenceClassification", "bpe",
            _decoder(num_key_value_heads=2, num_labels=1), variant="cultural"),
 ]}

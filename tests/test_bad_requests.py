@@ -104,11 +104,12 @@ def mask_with(**overrides):
     return json_body(json_tensor("hidden_states", x), t)
 
 
-def smal_missing_trace():
+def smal_bad_trace():
+    """A context input of the wrong shape (an omitted one would get the default the metadata declares)."""
     x, m = good_maw()
     s = np.zeros((1, D_SELF), np.float32)
     return json_body(json_tensor("hidden_states", x), json_tensor("attention_mask", m),
-                     json_tensor("self_state", s))
+                     json_tensor("self_state", s), json_tensor("trace", np.zeros((1, 3, 3), np.float32)))
 
 
 # Each case: id -> (method, path, headers, body) and the expected status.
@@ -126,7 +127,7 @@ CASES = {
     "duplicate-input": (lambda: infer(json_body(*json.loads(maw_json())["inputs"],
                                                 json.loads(maw_json())["inputs"][0]))),
     "missing-input": (lambda: infer(json_body(json_tensor("attention_mask", np.ones((1, 4), np.int64))))),
-    "missing-context-input": (lambda: infer(smal_missing_trace(), model="smal")),
+    "misshapen-context-input": (lambda: infer(smal_bad_trace(), model="smal")),
     "wrong-datatype": (lambda: infer(hs_with(datatype="FP64"))),
     "unknown-datatype": (lambda: infer(hs_with(datatype="FLOAT"))),
     "bytes-datatype": (lambda: infer(hs_with(datatype="BYTES"))),

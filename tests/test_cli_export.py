@@ -116,7 +116,7 @@ def test_variants_lists_options_and_context():
     assert list(info) == list(VARIANTS)
     assert info["maw"]["options"]["depth_dim"] == 5 and info["maw"]["outputs"] == ["output", "maw_depth"]
     assert info["smal"]["context"][1] == {"name": "trace", "shape": ["batch", 64, 64], "dtype": "float",
-                                           "doc": "trace tensor T"}
+                                           "doc": "trace tensor T (zeros: no distance term)"}
     assert info["cultural"]["options"]["bias_mode"] == "key"
     assert "depth_dim" in attnx("variants").stdout
 

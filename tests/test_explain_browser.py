@@ -74,6 +74,13 @@ def test_switching_heads_draws_that_heads_weights(browser, page_file):
     page, errors, requests = _open(browser, path)
     assert page.eval_on_selector_all("#layer option", "os => os.length") == 6
     assert page.eval_on_selector_all("#head option", "os => os.length") == 12
+    # It opens on --layer 0 at the head ranked first by the ablation, which sits above the map (issue 26).
+    ranked = page.eval_on_selector_all("#ablation tbody tr", "rs => rs.map(r => +r.dataset.head)")
+    assert (page.input_value("#layer"), page.input_value("#head")) == ("0", str(ranked[0]))
+    assert page.eval_on_selector("#ablation-box", "b => b.getBoundingClientRect().top") < \
+        page.eval_on_selector("#plot", "p => p.getBoundingClientRect().top")
+    np.testing.assert_allclose(_cells(page), ex.patterns[0][0, ranked[0]], atol=6e-4)
+    page.select_option("#head", "0")
     first = _cells(page)
     np.testing.assert_allclose(first, ex.patterns[0][0, 0], atol=6e-4)
     page.select_option("#head", "2")

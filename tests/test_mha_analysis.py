@@ -322,16 +322,18 @@ def test_analyze_cache_accepts_a_full_cache_and_reports_errors():
         analyze_heads(enc, x, fwd_hooks=[("blocks.0.attn.hook_nope", lambda p, h: p)])
 
 
-def test_wrapped_encoder_gpt2lm_and_prefixed_cache_keys():
-    # GPT2LM wraps the encoder: analyze_heads takes its token ids, and every way of caching gives
-    # the one naming scheme (blocks.{i}...); a cache with prefixed keys is understood as well.
-    from attnx.pretrained.gpt2 import GPT2LM
+def test_a_transformers_gpt2_host_and_prefixed_cache_keys():
+    # transformers' own GPT-2 with attnx's attention: analyze_heads takes its token ids, and every way of
+    # caching gives the one naming scheme (blocks.{i}...); a cache with prefixed keys is understood as well.
+    import transformers
+
     from attnx.interp.analysis import pattern_keys
+    from attnx.pretrained import place
+    from attnx.pretrained.host import Host
 
     torch.manual_seed(0)
-    torch.manual_seed(0)
-    lm = GPT2LM({"model_type": "gpt2", "n_layer": 2, "n_embd": D, "n_head": H, "vocab_size": 50,
-                 "n_positions": 16}).eval()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=H, vocab_size=50, n_positions=16)
+    lm = Host(place(transformers.GPT2LMHeadModel(cfg), "mha"), "causal-lm").eval()
     ids = torch.randint(0, 50, (2, L))
     direct = analyze_heads(lm, ids)
     _, cache = run_with_cache(lm, ids)

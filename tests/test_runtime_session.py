@@ -130,11 +130,14 @@ def test_bad_feeds_raise_input_error(maw_session, change, message):
         maw_session.run(feeds)
 
 
-def test_smal_needs_its_context(smal_session):
+def test_smal_context_left_out_is_its_declared_default(smal_session):
     feeds = request(smal_session, rows=1, length=4, seed=6)
+    assert {s.name: s.default for s in smal_session.inputs if s.default} == {"self_state": "zeros", "trace": "zeros"}
+    zeros = {**feeds, "trace": np.zeros_like(feeds["trace"])}
     feeds.pop("trace")
-    with pytest.raises(InputError, match="missing input"):
-        smal_session.run(feeds)
+    assert_outputs_equal(smal_session.run(feeds), smal_session.run(zeros), atol=0)
+    with pytest.raises(InputError, match="trace"):
+        smal_session.run({**feeds, "trace": np.zeros((1, 3, 3), np.float32)})
 
 
 def test_thread_options_and_devices(maw):

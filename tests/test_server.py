@@ -147,7 +147,7 @@ def test_metrics_histograms_and_counters(server, client, sessions):
     with pytest.raises(InferenceServerException):
         triton_infer(client, "nope", feeds)
     with pytest.raises(InferenceServerException):
-        triton_infer(client, "smal", {k: v for k, v in feeds.items() if k != "trace"})
+        triton_infer(client, "smal", {**feeds, "trace": feeds["trace"][..., :3]})
     text = metrics_text(server)
     for name in ("attnx_request_latency_seconds", "attnx_queue_time_seconds", "attnx_compute_time_seconds",
                  "attnx_batch_size"):

@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 from google.protobuf import json_format, text_format
 
-from attnx.contract import sha256_file
+from attnx.contract import ModelInfo, sha256_file
 from attnx.deploy.kserve import KServeOptions, check_manifest
 from attnx.deploy.repository import write_repository
 from attnx.deploy.triton import ConfigError, triton_schema, validate_ensemble
@@ -196,7 +196,11 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
     from attnx.deploy import tokenizer_model
 
     assert (shipped / "model.py").read_text() == open(tokenizer_model.__file__).read()
-    assert sha256_file(shipped / "tokenizer" / "tokenizer.json") == sha256_file(MINILM / "tokenizer.json")
+    # the export's tokenizer.json travels as exported: the source's fixed 128 padding off, truncation at 256
+    exported = minilm_export.parent / ModelInfo.read(minilm_export).tokenizer["dir"] / "tokenizer.json"
+    assert sha256_file(shipped / "tokenizer" / "tokenizer.json") == sha256_file(exported)
+    shipped_json = json.loads((shipped / "tokenizer" / "tokenizer.json").read_text())
+    assert shipped_json["padding"] is None and shipped_json["truncation"]["max_length"] == 256
     assert (repo / "minilm" / "1").is_dir()
     assert "tokenizers" in (repo / "Dockerfile").read_text() and "`minilm`" in (repo / "README.md").read_text()
 

@@ -15,7 +15,6 @@ from PIL import Image  # noqa: E402  (matplotlib depends on pillow)
 
 from attnx.models import build_encoder  # noqa: E402
 from attnx.interp.analysis import analyze_cache  # noqa: E402
-from attnx.pretrained.gpt2 import GPT2LM  # noqa: E402
 from attnx.interp.hooks import run_with_cache  # noqa: E402
 from attnx.interp.visualize import (  # noqa: E402
     attention_html,
@@ -143,8 +142,8 @@ def test_visualize_text_end_to_end(tmp_path):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()
-    lm = tiny_gpt2(len(words), tokenizer=tok)
-    out = visualize_text(lm, None, "the cat sat on the mat", tmp_path / "viz", layers=[1], heads=[0, 3], dpi=30)
+    lm = tiny_gpt2(len(words))
+    out = visualize_text(lm, tok, "the cat sat on the mat", tmp_path / "viz", layers=[1], heads=[0, 3], dpi=30)
     assert out["tokens"] == ["the", "cat", "sat", "on", "the", "mat"]
     html = out["html"].read_text(encoding="utf-8")
     data = _data(html)
@@ -165,13 +164,17 @@ def test_interpretability_example_runs(tmp_path):
                          timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "best head" in res.stdout and "primary" in res.stdout
-    for name in ("encoder.html", "encoder/layer0.png", "gpt2/attention.html", "gpt2/layer1.png"):
+    for name in ("encoder.html", "encoder/layer0.png", "lm/attention.html", "lm/layer1.png"):
         assert (tmp_path / name).is_file(), name
 
 
-def tiny_gpt2(vocab_size: int, n_positions: int = 16, tokenizer=None, n_layer: int = 2, seed: int = 0):
-    """An untrained GPT2LM (attnx's GPT-2 host) of a small config, seeded."""
+def tiny_gpt2(vocab_size: int, n_positions: int = 16, n_layer: int = 2, seed: int = 0):
+    """transformers' GPT-2 of a small config (seeded, untrained) with attnx's mha placed: token ids in."""
+    import transformers
+
+    from attnx.pretrained import place
+    from attnx.pretrained.host import Host
+
     torch.manual_seed(seed)
-    cfg = {"model_type": "gpt2", "n_layer": n_layer, "n_embd": 32, "n_head": 4, "vocab_size": vocab_size,
-           "n_positions": n_positions}
-    return GPT2LM(cfg, tokenizer=tokenizer).eval()
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=vocab_size, n_positions=n_positions)
+    return Host(place(transformers.GPT2LMHeadModel(cfg), "mha"), "causal-lm").eval()

@@ -39,7 +39,8 @@ class TemperatureAttention(AttentionBase):
 
     @staticmethod
     def context_inputs(config: ToyConfig) -> list[InputSpec]:
-        return [InputSpec("temperature", ("batch",), "float", "context", "softmax temperature per example (> 0)")]
+        return [InputSpec("temperature", ("batch",), "float", "context", "softmax temperature per example (> 0)",
+                          default="ones")]
 
     def attend(self, q, k, v, mask, *, temperature):
         # q, k, v [B, H, L, Dh] from whatever host projected them (attnx's encoder, a transformers model).

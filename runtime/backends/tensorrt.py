@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from attnx.contract import BATCH, SEQ, TensorEntry, default_role, read_sidecar
+from attnx.contract import BATCH, SEQ, ContractError, TensorEntry, default_role, read_sidecar, sha256_file, verify_engine
 from attnx.runtime.backends.onnxrt import onnx_io_specs
 from attnx.runtime.session import Session, TensorSpec, merge_specs
 
@@ -46,6 +46,15 @@ def engine_io_specs(path: Path, onnx_path: Path | None = None) -> tuple[list[Ten
     )
 
 
+def check_built_from(engine: Path, sidecar: dict, onnx_path: Path) -> None:
+    """Refuse an engine whose sidecar says it was built from another ONNX file than ``onnx_path``."""
+    want = sidecar.get("onnx_sha256")
+    if want and onnx_path.is_file() and sha256_file(onnx_path) != want:
+        raise ContractError(f"{engine.name} was built from {sidecar.get('onnx_name') or 'another file'} "
+                            f"(sha256 {str(want)[:12]}), not from {onnx_path.name}: pass the ONNX it was built "
+                            "from, or rebuild the engine")
+
+
 def _engine_spec(tensor: Any, is_input: bool) -> TensorSpec:
     names = iter((BATCH, SEQ))
     shape = tuple(d if d >= 0 else next(names, "?") for d in tensor.shape)
@@ -65,6 +74,11 @@ class EngineSession(Session):
         from attnx.engine.errors import TensorRTUnavailable
         from attnx.engine.runner import load_engine
 
+        # The same size/sha256 check as `attnx check` and `attnx triton-repo`, before TensorRT reads a
+        # byte: a truncated or swapped engine is refused in one line, never deserialized and served.
+        verified = verify_engine(self.path)
+        if verified is not None and onnx_path is not None:
+            check_built_from(self.path, verified, Path(onnx_path))
         try:
             self._engine = load_engine(self.path)
         except TensorRTUnavailable as e:

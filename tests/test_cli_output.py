@@ -1,0 +1,63 @@
+"""What the CLI prints into a pipe or a CI log (issue 26, friction): tables whole, never cut to 80 columns
+with "…", lines never wrapped mid-number, no spinner line; and `attnx inspect` knows attnx's own ops."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+
+
+def piped(*args, cwd: Path) -> subprocess.CompletedProcess:
+    """The CLI with stdout and stderr going to pipes and no COLUMNS: what a CI job sees."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(ATTNX_WORKDIR=str(cwd / "attnx-out"), NO_COLOR="1")
+    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def smal(exported, tmp_path_factory):
+    res = exported("smal", n_layers=1)
+    folder = tmp_path_factory.mktemp("cli-out")
+    shutil.copy(res.path, folder / "smal.onnx")
+    shutil.copy(res.weights_path, folder / res.info.weights)
+    return folder / "smal.onnx"
+
+
+def test_inspect_into_a_pipe_prints_whole_rows_and_registered_schemas(smal, tmp_path):
+    run = piped("inspect", smal, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "…" not in run.stdout  # rich cut nothing
+    config = next(line for line in run.stdout.splitlines() if "attnx.config" in line)
+    assert '"variant": "smal"' in config and len(config) > 160  # the value's first 157 characters, on one line
+    row = next(line for line in run.stdout.splitlines() if "attnx::TtaDistance" in line)
+    assert row.split("│")[4].strip() == "yes", row  # the schema column: registered before the lookup
+    info = json.loads(piped("inspect", smal, "--json", cwd=tmp_path).stdout)
+    assert [c["schema"] for c in info["custom_ops"]] == [True]
+
+
+def test_check_into_a_pipe_keeps_every_line_whole_and_draws_no_spinner(smal, tmp_path):
+    run = piped("check", smal, "--no-engine", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout + run.stderr
+    assert "…" not in out and not any(c in out for c in SPINNER)
+    tolerances = next(line for line in run.stdout.splitlines() if line.startswith("tolerances"))
+    assert tolerances.rstrip().endswith("mean abs <= 1e-05"), tolerances  # one line, not wrapped at 80
+    assert any(line.startswith("PASS") for line in run.stdout.splitlines())
+
+
+def test_export_into_a_pipe_prints_no_progress_line(tmp_path):
+    run = piped("export", "--variant", "mha", "--set", "d_model=32", "--set", "n_heads=4", "--layers", "1",
+                "-o", tmp_path / "m.onnx", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout + run.stderr
+    assert not any(c in out for c in SPINNER) and "export mha: done" not in out
+    assert str(tmp_path / "m.onnx") in run.stdout
