@@ -35,6 +35,10 @@ PLUGIN_NAMESPACE = "attnx"
 PLUGIN_VERSION = "1"
 #: The string attributes every custom node carries: the TensorRT ONNX parser reads them to pick the creator.
 PLUGIN_ATTRIBUTES = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
+#: A model-local function of this domain, named like an attnx op, is that op's form for TensorRT: the op
+#: has no plugin of its own, its ``attnx`` function is the fast form ONNX Runtime runs, and an engine build
+#: inlines this one (made of ops that have plugins) in its place (:mod:`attnx.engine.forms`).
+ENGINE_DOMAIN = "attnx.tensorrt"
 ONNX_OPSET = 23  # plain attention is one ONNX ``Attention`` node from opset 23
 MIN_OPSET = 18  # the dynamo exporter's minimum
 IR_VERSION = 11  # opset 23 needs IR 11; onnxruntime 1.31 reads at most IR 13
@@ -49,6 +53,11 @@ class ContractError(ValueError):
 BATCH = "batch"
 SEQ = "seq"
 AXES = (BATCH, SEQ)
+#: A decoder exported with its KV cache (``--with-past``): the cached positions (``past_key_values.*``)
+#: and past + new (``attention_mask``, ``present.*``); ``seq`` is then the new tokens.
+PAST = "past"
+TOTAL = "total"
+CACHE_AXES = (PAST, TOTAL)
 
 
 class Role:
@@ -60,6 +69,9 @@ class Role:
     ATTENTION_MASK = "attention_mask"  # [batch, seq], 1 = token, 0 = padding
     CONTEXT = "context"  # a variant's per-example input
     HEAD_MASK = "head_mask"  # [layers, heads], 1 = keep
+    POSITION_IDS = "position_ids"  # int64 [batch, seq]: each new token's position (decoders with a cache)
+    PAST = "past"  # a decoder's cached state in (past_key_values.{i}.key|value|<variant state>)
+    PRESENT = "present"  # the same state out, past + new (present.{i}.*)
     OUTPUT = "output"  # the model's main output
     AUX = "aux"  # any other output (a variant's extra output, attention patterns, ...)
 
@@ -71,9 +83,14 @@ MAIN_OUTPUTS = ("output", "last_hidden_state", "sentence_embedding", "logits")
 
 
 def default_role(name: str, is_input: bool) -> str:
-    """The role of a tensor that metadata does not describe (any ONNX file)."""
+    """The role of a tensor that metadata does not describe (any ONNX file; Optimum's and
+    onnxruntime-genai's cache names included)."""
     if is_input:
-        return _DEFAULT_INPUT_ROLES.get(name, Role.CONTEXT)
+        if name.startswith("past_key_values."):
+            return Role.PAST
+        return _DEFAULT_INPUT_ROLES.get(name, Role.POSITION_IDS if name == "position_ids" else Role.CONTEXT)
+    if name.startswith("present."):
+        return Role.PRESENT
     return Role.OUTPUT if name in MAIN_OUTPUTS else Role.AUX
 
 
@@ -154,10 +171,13 @@ class ModelInfo:
     weights: str | None = None  # safetensors file beside the model (the reference's weights)
     tokenizer: dict | None = None  # text models: {"dir", "max_length", "truncation_side", "pad_id", ...}
     quantization: dict | None = None  # int8: {"weight_bits", "matmuls", "smoothing_alpha", "calibration", ...}
+    #: decoders exported with their KV cache: each cached tensor's input/output names, layer and grown axis,
+    #: and what generation needs (attnx.export.with_past.cache_metadata)
+    cache: dict | None = None
     schema: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)
 
-    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer", "quantization")
+    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer", "quantization", "cache")
 
     # ---- lookups ------------------------------------------------------------------------
     def input(self, name: str) -> TensorEntry:

@@ -19,7 +19,7 @@ peak resident memory during one call minus its resident memory before it (``VmHW
 every working buffer is mapped and unmapped and counted while it lives. The same measure for torch
 and ORT; it includes whatever the backend's own attention kernel allocates.
 
-    python benchmarks/bench_variants.py [--quick] [--no-engine] [--memory] [--int8] [--threads N]
+    python benchmarks/bench_variants.py [--quick] [--no-engine] [--memory] [--int8 [--profile]] [--threads N]
 """
 
 from __future__ import annotations
@@ -225,7 +225,39 @@ def memory_table(contenders: dict[str, Contender], lengths, batch: int = 4) -> N
                 ["variant", "L", "torch MB", "per 2x L", "x mha", "ORT MB", "per 2x L", "x mha"], rows)
 
 
-def int8_table(threads: int, folder: Path) -> None:
+def int8_profile(files: dict[str, Path], threads: int, batch: int = 8, runs: int = 10) -> None:
+    """Where the time goes: ONNX Runtime's profiler, kernel time summed by op type, per run at ``batch`` x 128."""
+    import collections
+    import json
+
+    from attnx.runtime.backends.onnxrt import OrtOptions
+
+    feeds = {"input_ids": np.random.default_rng(1).integers(1000, 20000, (batch, 128)),
+             "attention_mask": np.ones((batch, 128), np.int64), "token_type_ids": np.zeros((batch, 128), np.int64)}
+    by_op = {}
+    for name, path in files.items():
+        options = OrtOptions(device="cpu", threads=threads)
+        so = options.session_options()
+        so.enable_profiling = True
+        sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"],
+                                    disabled_optimizers=list(options.disabled_optimizers))
+        for _ in range(2 + runs):
+            ort_run(sess, feeds)
+        events = [e for e in json.loads(Path(sess.end_profiling()).read_text())
+                  if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+        counts = collections.Counter()
+        for e in events[len(events) * 2 // (2 + runs):]:  # after the two warm-up runs
+            counts[e["args"]["op_name"]] += e["dur"] / runs / 1e3
+        by_op[name] = counts
+    ops = sorted((o for o in set().union(*by_op.values()) if max(c[o] for c in by_op.values()) >= 0.05),
+                 key=lambda o: -max(c[o] for c in by_op.values()))
+    rows = [[op, *(f"{c[op]:,.1f}" if c[op] >= 0.05 else "" for c in by_op.values())] for op in ops]
+    rows.append(["total (kernels)", *(f"{sum(c.values()):,.1f}" for c in by_op.values())])
+    print_table(f"Where the time goes at {batch}x128: ONNX Runtime profiler, kernel ms per run by op "
+                "(the profiler's own cost included)", ["op", *(f"{k} ms" for k in by_op)], rows)
+
+
+def int8_table(threads: int, folder: Path, profile: bool = False) -> None:
     """Real all-MiniLM-L6-v2: int8 vs fp32 on ORT, and each file's sentence embeddings vs sentence-transformers."""
     import os
 
@@ -288,6 +320,8 @@ def int8_table(threads: int, folder: Path) -> None:
             speed[name] += [f"{t[name] * 1e3:,.1f}", f"{t['fp32'] / t[name]:.2f}x"]
     rows = [[name, *speed[name], f"{files[name].stat().st_size / MB:.1f}", f"{cosine[name].min():.4f}",
              f"{cosine[name].mean():.4f}", how[name]] for name in files]
+    if profile:
+        int8_profile({k: files[k] for k in ("fp32", "attnx int8")}, threads)
     print_table(f"all-MiniLM-L6-v2 on ONNX Runtime {ort.__version__}, int8 vs fp32 ({threads} threads; "
                 f"CPU integer dot product: {int8_dot_product()}); cosine: the {len(SENTENCES)} built-in sentences' "
                 "embeddings vs sentence-transformers",
@@ -310,6 +344,7 @@ def main() -> None:
     ap.add_argument("--memory", action="store_true", help="only the peak-memory-against-L table")
     ap.add_argument("--memory-lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--int8", action="store_true", help="only the real-MiniLM int8 table")
+    ap.add_argument("--profile", action="store_true", help="with --int8: kernel time by op, fp32 and int8, at 8x128")
     args = ap.parse_args()
     if args.quick:
         args.lengths, args.memory_lengths = [128, 512], [128, 256, 512, 1024]
@@ -319,7 +354,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="attnx-bench-variants-"))
     print(f"torch {torch.__version__}, onnxruntime {ort.__version__}, {args.threads} threads each")
     if args.int8:
-        int8_table(args.threads, folder)
+        int8_table(args.threads, folder, profile=args.profile)
         return
     names = args.variants or list(variant_names())
     names = ["mha"] + [n for n in names if n != "mha"]  # the baseline first

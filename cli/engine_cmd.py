@@ -320,7 +320,11 @@ def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Option
     if report_path is None:
         report_path = wd / "parity" / f"{model.stem}.parity.json"
     report.write(report_path)
-    if not quiet:
+    if not quiet and getattr(report, "kind", "") == "generation":
+        from attnx.parity.generation import render
+
+        render(report, console, report_path)
+    elif not quiet:
         (render_text_report if getattr(report, "kind", "") == "pretrained" else render_report)(report, report_path)
     if not report.passed and not quiet:
         err_console.print("[bold red]error:[/bold red] parity mismatch: " + escape("; ".join(report.mismatches())),

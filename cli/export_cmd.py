@@ -124,6 +124,10 @@ def register(app: typer.Typer) -> None:
                                                         "attentions.{i} [batch, heads, seq, seq]: all | 0,3,5."),
         head_mask: bool = typer.Option(False, "--head-mask", help="Add an input head_mask [layers, heads] "
                                        "(1 = keep, 0 = ablate a head)."),
+        with_past: bool = typer.Option(False, "--with-past", help="With --from-pretrained (a causal LM): the "
+                                       "decoder that generates, KV cache in (past_key_values.*) and out (present.*), "
+                                       "one file for prefill and decode, in its own folder with genai_config.json "
+                                       "for onnxruntime-genai (`attnx generate`, `attnx serve`)."),
     ) -> None:
         """Export a variant to ONNX (custom ops in domain attnx): attnx's own encoder stack, or a real
         pretrained model with the variant placed in it (--from-pretrained)."""
@@ -144,6 +148,11 @@ def register(app: typer.Typer) -> None:
             raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
         if task is not None and pretrained is None:
             raise UserError("--task chooses the head of a --from-pretrained model: add --from-pretrained")
+        if with_past and pretrained is None:
+            raise UserError("--with-past exports a pretrained decoder with its KV cache: add --from-pretrained")
+        if with_past and (attention_outputs is not None or head_mask):
+            raise UserError("--with-past cannot be combined with --attention-outputs or --head-mask (they belong to "
+                            "the full-sequence export)")
         asked_variant = variant
         folder = None
         if pretrained is not None:
@@ -171,6 +180,8 @@ def register(app: typer.Typer) -> None:
             from attnx.export.pretrained import default_name
 
             planned = workdir() / f"{default_name(folder, variant, lowering, fp16)}.onnx"
+            if with_past:
+                planned = output = workdir() / f"{default_name(folder, variant, lowering, fp16)}-with-past" / "model.onnx"
         if int8 and output is None:
             planned = output = planned.with_name(f"{planned.stem}-int8.onnx")
         refuse_overwriting_inputs(planned, checkpoint, pretrained)
@@ -199,7 +210,7 @@ def register(app: typer.Typer) -> None:
                                            checkpoint=checkpoint, task=task, lowering=lowering,
                                            fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step,
                                            attention_outputs=attention_outputs, head_mask=head_mask,
-                                           fuse=not no_fuse)
+                                           fuse=not no_fuse, with_past=with_past)
             else:
                 if layers is not None and layers < 1:
                     raise UserError(f"--layers must be >= 1, got {layers}")

@@ -22,9 +22,11 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="Show trac
 
 def _register_all() -> None:
     # Each module adds its commands with register(app); imports inside commands stay lazy.
-    from attnx.cli import demo_cmd, deploy_cmd, engine_cmd, explain_cmd, export_cmd, plugins_cmd, serve_cmd, variants_cmd
+    from attnx.cli import (demo_cmd, deploy_cmd, engine_cmd, explain_cmd, export_cmd, generate_cmd, plugins_cmd, serve_cmd,
+                           variants_cmd)
 
-    for module in (variants_cmd, export_cmd, explain_cmd, plugins_cmd, engine_cmd, serve_cmd, deploy_cmd, demo_cmd):
+    for module in (variants_cmd, export_cmd, explain_cmd, plugins_cmd, engine_cmd, generate_cmd, serve_cmd, deploy_cmd,
+                   demo_cmd):
         module.register(app)
 
 

@@ -179,6 +179,10 @@ def register(app: typer.Typer) -> None:
         for name, model in server.models.items():
             text = " text in" if model.tokenizer is not None else ""
             err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}){text}")
+        for name, gen in server.generators.items():
+            err_console.print(f"model [bold]{name}[/bold]: {gen.session.path} ({gen.session.provider}) generates text"
+                              f" (up to {gen.scheduler.max_batch} sequences per decoding step"
+                              f"{', chat template' if gen.chat_template else ''})")
         err_console.print(
             f"max batch {max_batch}, max delay {max_delay_ms} ms, queue {max_queue}; "
             "Ctrl-C stops after in-flight requests finish"
@@ -186,9 +190,11 @@ def register(app: typer.Typer) -> None:
         # One plain line with the real address (port 0 picks one), for people and for scripts.
         if server.grpc_address:
             err_console.print(f"gRPC listening on {server.grpc_address}", highlight=False, soft_wrap=True)
-        err_console.print(f"APIs: KServe v2 (/v2), OpenAI (/v1/embeddings), TEI (/embed, /predict, /rerank), "
-                          f"Cohere/Jina (/v1/rerank), Infinity (/classify)"
-                          f"{'; API key required' if api_key else ''}", highlight=False)
+        err_console.print("APIs: KServe v2 (/v2), OpenAI (/v1/embeddings), TEI (/embed, /predict, /rerank), "
+                          "Cohere/Jina (/v1/rerank), Infinity (/classify)"
+                          + ("; generation: Triton (/v2/models/{m}/generate[_stream]), OpenAI (/v1/completions, "
+                             "/v1/chat/completions)" if server.generators else "")
+                          + ("; API key required" if api_key else ""), highlight=False)
         err_console.print(f"listening on {server.url}", highlight=False, soft_wrap=True)
         server.serve()
 

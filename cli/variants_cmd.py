@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"  outputs: {', '.join(v['outputs'])}")
             if v["custom_ops"]:
                 console.print(f"  custom ops: {', '.join('attnx::' + op for op in v['custom_ops'])}")
+            console.print(escape(f"  decoding with a KV cache (--with-past): {v['kv_cache']}"))
             console.print()
         enc = EncoderConfig()
         console.print("encoder options (every variant): "

@@ -21,6 +21,7 @@ import numpy as np
 from attnx.contract import DOMAIN, load_onnx
 from attnx.engine.discovery import backend, rtx_link_problem
 from attnx.engine.errors import ParseError, PluginLoadError, unique
+from attnx.engine.forms import engine_form
 from attnx.engine.logger import get_logger
 from attnx.engine.plugins import PluginLibrary, clear_plugin_errors, load_plugins, plugin_errors
 
@@ -72,9 +73,10 @@ def layer_type_counts(network) -> dict[str, int]:
 
 
 def custom_nodes(proto) -> dict[str, int]:
-    """attnx custom-op nodes of an ONNX model's main graph, by op type."""
+    """attnx custom-op nodes TensorRT parses, by op type: the model's main graph with each op that has a
+    TensorRT form replaced by it (:func:`attnx.engine.forms.engine_form`; smal's attention: its distance)."""
     counts: dict[str, int] = {}
-    for node in proto.graph.node:
+    for node in (engine_form(proto) or proto).graph.node:
         if node.domain == DOMAIN:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items()))
@@ -142,7 +144,9 @@ def parse_onnx(path: str | os.PathLike, *, plugin_override: bool = True,
     onnx_path = Path(path)
     if not onnx_path.is_file():
         raise FileNotFoundError(f"no ONNX file at {onnx_path}")
-    used_ops = list(custom_nodes(load_onnx(onnx_path)))
+    in_file = load_onnx(onnx_path)
+    model = engine_form(in_file)  # None: TensorRT parses the file as it is
+    used_ops = list(custom_nodes(in_file if model is None else model))
     library = _load_for(used_ops, plugins)
     if used_ops and info.is_rtx and rtx_link_problem():
         raise ParseError(rtx_link_problem())
@@ -162,7 +166,9 @@ def parse_onnx(path: str | os.PathLike, *, plugin_override: bool = True,
         parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
     mark = logger.mark()
     clear_plugin_errors(library)
-    if not parser.parse_from_file(str(onnx_path)):
+    parsed = parser.parse_from_file(str(onnx_path)) if model is None else \
+        parser.parse(model.SerializeToString(), str(onnx_path))  # the path: for external weights
+    if not parsed:
         errors = []
         for i in range(parser.num_errors):
             e = parser.get_error(i)

@@ -124,13 +124,15 @@ def _trace(wrapper, args, dynamic_shapes, inputs, profiles: dict):
     """``torch.export`` with dynamic batch and seq. A model whose code only holds from some length on
     (MobileBERT's trigram embedding wants seq >= 2) fails the declared ranges: export again letting
     torch find the ranges, and raise the profiles' minimum to what it found (said in the metadata)."""
+    # A model may ask for more (a decoder's cache: relations between dims no Dim states become runtime asserts).
+    options = dict(getattr(wrapper.model, "trace_options", {}))
     try:
-        return torch.export.export(wrapper, args, dynamic_shapes=(dynamic_shapes,), strict=False), profiles
+        return torch.export.export(wrapper, args, dynamic_shapes=(dynamic_shapes,), strict=False, **options), profiles
     except torch._dynamo.exc.UserError as e:
         if "Constraints violated" not in str(e):
             raise
     auto = tuple({i: torch.export.Dim.DYNAMIC for i in spec} for spec in dynamic_shapes)
-    program = torch.export.export(wrapper, args, dynamic_shapes=(auto,), strict=False)
+    program = torch.export.export(wrapper, args, dynamic_shapes=(auto,), strict=False, **options)
     lows: dict[str, int] = {}
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"][-len(inputs):]
     for spec, node in zip(inputs, placeholders):
@@ -310,9 +312,11 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     input_names, output_names = [s.name for s in inputs], [s.name for s in outputs]
 
     step("trace")
-    feeds = example_inputs(model)
+    # A model with more dynamic dims than batch/seq (a decoder's KV cache) gives its own examples and dims.
+    feeds = model.example_inputs() if hasattr(model, "example_inputs") else example_inputs(model)
     seq_max = int(getattr(model, "max_seq", 65536))  # a model with position embeddings has a limit
-    dims = {"batch": torch.export.Dim("batch", min=1, max=4096), "seq": torch.export.Dim("seq", min=1, max=seq_max)}
+    dims = {"batch": torch.export.Dim("batch", min=1, max=4096), "seq": torch.export.Dim("seq", min=1, max=seq_max),
+            **(model.export_dims() if hasattr(model, "export_dims") else {})}
     dynamic_shapes = tuple({i: dims[d] for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs)
     wrapper = _Positional(model, input_names, output_names)
     args = tuple(feeds[n] for n in input_names)
@@ -343,7 +347,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
                      precision="fp16" if fp16 else "fp32", inputs=_entries(proto.graph.input, specs),
                      outputs=_entries(proto.graph.output, specs), profiles={k: list(v) for k, v in profiles.items()},
                      version=attnx.__version__, weights=weights_path.name if weights_path else None,
-                     tokenizer=tokenizer)
+                     tokenizer=tokenizer, cache=model.cache_metadata() if hasattr(model, "cache_metadata") else None)
     info.write(proto)
 
     step("check")

@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 from onnx.defs import OpSchema
 
-from attnx.contract import DOMAIN, DOMAIN_VERSION, PLUGIN_ATTRIBUTES
+from attnx.contract import DOMAIN, DOMAIN_VERSION, ENGINE_DOMAIN, PLUGIN_ATTRIBUTES
 from attnx.models.spec import CustomOp, all_custom_ops
 
 FLOAT_TYPES = ["tensor(float)", "tensor(float16)"]
@@ -119,7 +119,9 @@ def used_ops(model: onnx.ModelProto) -> set[str]:
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Add the function bodies (and the attnx opset import) for every custom op the graph uses."""
+    """Add the function bodies (and the attnx opset import) for every custom op the graph uses; an op
+    with a TensorRT form (``CustomOp.engine_function``) also gets that form (domain ``ENGINE_DOMAIN``) and
+    the bodies of the ops it uses."""
     known = custom_ops()
     used = used_ops(model)
     unknown = sorted(used - set(known))
@@ -127,6 +129,12 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
         raise ValueError(f"the graph uses attnx op(s) no registered variant declares: {', '.join(unknown)}")
     have = {(f.domain, f.name) for f in model.functions}
     base = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 23)
+    forms = [known[name].engine_function(base) for name in sorted(used) if known[name].engine_function is not None]
+    for form in forms:
+        form.domain = ENGINE_DOMAIN
+        if (ENGINE_DOMAIN, form.name) not in have:
+            model.functions.append(form)
+        used |= {n.op_type for n in form.node if n.domain == DOMAIN}
     for name in sorted(used):
         if (DOMAIN, name) not in have:
             model.functions.append(known[name].function(base))

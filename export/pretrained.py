@@ -44,7 +44,11 @@ def tokenizer_info(folder, max_length: int, directory: str) -> dict:
     if (folder.path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(folder.path / "tokenizer.json"))
+        try:
+            tok = Tokenizer.from_file(str(folder.path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises its own exception type
+            raise ValueError(f"{folder.path / 'tokenizer.json'}: the tokenizers library cannot read it "
+                             f"({str(e).splitlines()[0][:160]})") from None
         pad_token = cfg.get("pad_token")
         pad_token = pad_token.get("content") if isinstance(pad_token, dict) else pad_token
         if isinstance(pad_token, str) and tok.token_to_id(pad_token) is not None:
@@ -62,14 +66,21 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
                       append: int | None = None, options: dict | None = None, checkpoint=None, task: str | None = None,
                       lowering: str = "plugin", fp16: bool = False, profiles: dict | None = None,
                       folder_out: str | Path = "attnx-out", attention_outputs=None, head_mask: bool = False,
-                      progress: Callable[[str], None] | None = None, fuse: bool = True) -> ExportResult:
-    """Load ``source`` (a folder path) with ``variant`` placed in it and export it (see module doc)."""
+                      progress: Callable[[str], None] | None = None, fuse: bool = True,
+                      with_past: bool = False) -> ExportResult:
+    """Load ``source`` (a folder path) with ``variant`` placed in it and export it (see module doc).
+    ``with_past``: a causal LM that generates, its KV cache in and out (:mod:`attnx.export.with_past`)."""
     from attnx import pretrained
 
     folder = pretrained.read_folder(source)
     host = pretrained.load(folder, variant, layers=layers, append=append, options=options, checkpoint=checkpoint,
                            task=task)
     name = host.variant if variant is None else variant
+    if with_past:
+        from attnx.export import with_past as past
+
+        host, path, profiles = past.prepare(host, path, profiles, folder_out, default_name(folder, name, lowering, fp16),
+                                            attention_outputs, head_mask)
     path = Path(path) if path is not None else Path(folder_out) / f"{default_name(folder, name, lowering, fp16)}.onnx"
     if path.suffix.lower() != ".onnx":
         raise ValueError(f"the output must be a .onnx file, got {path.name}")
@@ -101,6 +112,8 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
         shutil.rmtree(tok_dir, ignore_errors=True)
         os.replace(staging, tok_dir)
     result.notes = list(folder.notes)
+    if with_past:
+        result.notes += past.finish(result, folder.config, tok_dir if tokenizer is not None else None)
     return result
 
 

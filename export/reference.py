@@ -18,7 +18,12 @@ def model_from_config(config: dict) -> nn.Module:
         from attnx.pretrained.host import Host
         from attnx.pretrained.legacy import host_from_legacy, is_legacy
 
-        model = host_from_legacy(config) if is_legacy(config) else Host.from_config(config)
+        if config.get("with_past"):  # a decoder exported with its KV cache (attnx.export.with_past)
+            from attnx.pretrained.cached import CachedHost
+
+            model = CachedHost.from_config(config)
+        else:
+            model = host_from_legacy(config) if is_legacy(config) else Host.from_config(config)
     else:
         from attnx.models.build import encoder_from_config
 

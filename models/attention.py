@@ -128,6 +128,13 @@ class Mask:
     row_valid: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    #: grouped-query attention: (k, v repeated to every head, k, v with the host's key/value heads), so
+    #: a fused attention on the repeated pair runs on the grouped one (one ONNX Attention with
+    #: kv_num_heads; no copies of k/v per head). Set by :meth:`AttentionBase.core`.
+    grouped: tuple | None = None
+    #: a decoder's cached forward: this layer's :class:`attnx.models.cache.LayerCache` (what the variant
+    #: declared in ``cache_state`` beside k and v); None without a cache.
+    cache: object | None = None
 
 
 def masked_softmax(scores: torch.Tensor, bias: torch.Tensor | None, row_valid: torch.Tensor | None) -> torch.Tensor:
@@ -247,6 +254,11 @@ class AttentionBase(nn.Module):
         """The context inputs this attention's forward takes (by keyword)."""
         return []
 
+    @staticmethod
+    def cache_state(config) -> list:
+        """What this attention keeps in a decoder's cache besides k and v (:mod:`attnx.models.cache`)."""
+        return []
+
     @property
     def context_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.context_inputs(self.config))
@@ -289,8 +301,12 @@ class AttentionBase(nn.Module):
         """The attention between the projections: q ``[B, H, Lq, Dh]``, k/v ``[B, H|H_kv, Lk, Dh]`` ->
         z ``[B, Lq, H, Dh]`` (through the hook points, the variant's :meth:`attend`, the head mask)."""
         q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)
-        k = repeat_kv(self.hook_k(k.transpose(1, 2)).transpose(1, 2), self.n_heads)
-        v = repeat_kv(self.hook_v(v.transpose(1, 2)).transpose(1, 2), self.n_heads)
+        k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)
+        v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)
+        if k.shape[1] != self.n_heads:  # variants see every head's k and v; a fused attention, the groups
+            k_all, v_all = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)
+            mask = dataclasses.replace(mask, grouped=(k_all, v_all, k, v))
+            k, v = k_all, v_all
         z = self.hook_z(self.attend(q, k, v, mask, **context).transpose(1, 2))  # [B, L, H, Dh]
         if head_mask is not None:
             hm = head_mask.to(z.dtype)
@@ -328,6 +344,9 @@ class AttentionBase(nn.Module):
         attn_mask = bias if extra_bias is None else (extra_bias if bias is None else _no_overflow(bias + extra_bias))
         if attn_mask is not None and torch.compiler.is_exporting() and attn_mask.shape[-2] == 1:
             attn_mask = attn_mask.expand(*attn_mask.shape[:-2], q.shape[-2], attn_mask.shape[-1])
+        grouped = mask.grouped is not None and k is mask.grouped[0] and v is mask.grouped[1]
+        if grouped:
+            k, v = mask.grouped[2], mask.grouped[3]
         z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale if scale is None else scale,
-                                           dropout_p=self.dropout.p if self.training else 0.0)
+                                           dropout_p=self.dropout.p if self.training else 0.0, enable_gqa=grouped)
         return z if mask.row_valid is None else z * mask.row_valid.to(z.dtype)

@@ -97,5 +97,6 @@ def describe_variants() -> list[dict]:
                for s in spec.context_inputs(cfg)]
         out.append({"name": name, "summary": spec.summary, "options": dataclasses.asdict(cfg), "context": ctx,
                     "outputs": ["output"] + [o.name for o in spec.extra_outputs],
-                    "custom_ops": [op.name for op in spec.custom_ops if op.torch_op is not None]})
+                    "custom_ops": [op.name for op in spec.custom_ops if op.torch_op is not None],
+                    "kv_cache": spec.cache_summary()})
     return out

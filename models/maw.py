@@ -29,6 +29,20 @@ forward (the encoder sums them); an EMA (0.95) reward baseline is kept for loggi
 Placement in a pretrained model: a MAW layer cannot compute a full-rank attention, so no
 parameter values make it equal the attention it would replace. Its natural form is the seed's:
 MAW layers appended after the encoder as residual branches, output projection starting at zero.
+
+Decoding with a KV cache (``attnx export --with-past``). The policy pools the whole sequence, so a
+decoder's step needs more than k and v; each maw layer caches (``past_key_values.{i}.<name>``)
+``key_depth`` (``k'`` of every cached key, ``[batch, heads, past, d]``: the depth may change at any
+step, so every depth's column is kept) and the running sum and count of the pooled sequence
+(``pool_sum [batch, D]``, ``pool_count [batch, 1]``). A step's depth is the policy's choice on the
+mean of every real token so far, as re-running the whole sequence chooses it for its last token.
+
+- Appended after the last layer (maw's own form, the default) or placed in the last layer, the
+  cached step is exact: greedy generation with the cache equals re-running the full sequence.
+- Placed in an earlier layer it is not, and cannot be with any cache: re-running the sequence
+  lets a depth chosen later change the past tokens' outputs of this layer, hence the keys and
+  values later layers hold for them. The cache keeps what each token had when it was generated
+  (a decoder's usual causality); the two agree whenever the chosen depth stays the same.
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnx.models.attention import AttentionBase, AttentionConfig, Mask, masked_mean, masked_softmax
+from attnx.models.cache import PAST, CacheEntry
 from attnx.models.signature import check_choice
 from attnx.models.spec import CustomOp, ExtraOutput, Placement, VariantSpec, register
 
@@ -140,6 +155,13 @@ class MawAttention(AttentionBase):
         self.last_depth: Tensor | None = None  # [B] depth chosen by the last forward
         self.last_policy_logits: Tensor | None = None  # [B, d] (inference), for near-tie reports
 
+    @staticmethod
+    def cache_state(config: MawConfig) -> list[CacheEntry]:
+        return [CacheEntry("key_depth", ("batch", config.n_heads, PAST, config.depth_dim),
+                           "per-depth keys k U_k of every cached key"),
+                CacheEntry("pool_sum", ("batch", config.d_model), "sum of the pooled sequence so far (real tokens)"),
+                CacheEntry("pool_count", ("batch", 1), "real tokens so far")]
+
     def depth_projections(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """q, k ``[B, H, L, Dh]`` -> q', k' ``[B, H, L, d]``."""
         return q @ self.U_q, k @ self.U_k  # U [H, Dh, d] broadcasts over the batch
@@ -151,8 +173,11 @@ class MawAttention(AttentionBase):
         if mask.hidden is None:
             raise ValueError("maw pools the attention's input sequence for its policy: the host must pass it "
                              "(Mask.hidden)")
-        q_depth, k_depth = self.depth_projections(q, k)  # [B, H, L, d]
-        pooled = masked_mean(mask.hidden, mask.tokens)  # [B, D]
+        if mask.cache is not None:
+            q_depth, k_depth, pooled = self._cached(q, k, mask)
+        else:
+            q_depth, k_depth = self.depth_projections(q, k)  # [B, H, L, d]
+            pooled = masked_mean(mask.hidden, mask.tokens)  # [B, D]
         logits_pi = self.policy(pooled)  # [B, d]
 
         if self.training:
@@ -178,6 +203,21 @@ class MawAttention(AttentionBase):
         # CPU kernel both want equal q/k/v head sizes.
         pad = (0, self.head_dim - 1)
         return self.attend_fused(F.pad(q_sel, pad), F.pad(k_sel, pad), v, mask)
+
+    def _cached(self, q: Tensor, k: Tensor, mask: Mask) -> tuple[Tensor, Tensor, Tensor]:
+        """A decoder's cached step (module docstring): the new keys' k' join the cached ones, the new
+        tokens join the running pool; ``mask.tokens`` covers past and new tokens, ``mask.hidden`` the new."""
+        if self.training:
+            raise ValueError("maw trains on whole sequences: a cached (decoding) forward runs in eval mode only")
+        lq = q.shape[2]
+        new_keys = k[:, :, k.shape[2] - lq:]
+        k_depth = mask.cache.append("key_depth", new_keys @ self.U_k, axis=2)
+        x = mask.hidden
+        w = (torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if mask.tokens is None
+             else mask.tokens[:, mask.tokens.shape[1] - lq:].to(x.dtype))[..., None]  # [B, Lq, 1]
+        total = mask.cache.carry("pool_sum", (x * w).sum(dim=1))
+        count = mask.cache.carry("pool_count", w.sum(dim=1))
+        return q @ self.U_q, k_depth, total / count.clamp(min=1.0)
 
     def grpo_loss(self, logits_pi, pooled, q_depth, k_depth, bias, row_valid) -> Tensor:
         """Group-relative policy loss + value loss (see module docstring)."""
@@ -329,4 +369,7 @@ SPEC = register(VariantSpec(
                  doc="the selected depth's logits (files exported by attnx 0.1; still built and served)"),
     ),
     placement=Placement(replace=True, exact=False, append=True, default="append"),
+    cache_note="the depth of each step is chosen on the mean of every token so far: exact when appended (maw's "
+               "own form) or in the last layer; in an earlier layer past tokens keep the keys and values of the "
+               "depth chosen when they were generated (re-running the sequence would recompute them)",
 ))

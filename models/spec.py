@@ -67,6 +67,10 @@ class CustomOp:
       files exported by an earlier attnx still load).
     - ``plugin()``: the onnxscript function the exporter maps ``torch_op`` onto under the ``plugin``
       lowering (a node of this op). The ``rewrite`` lowering inlines ``function`` instead.
+    - ``engine_function(opset)``: for an op with no TensorRT plugin of its own, its body in ops that
+      have one (smal's whole attention: the distance plugin and a softmax). ``function`` is then the
+      fast form ONNX Runtime runs, and the file carries this one too (domain
+      :data:`attnx.contract.ENGINE_DOMAIN`), which ``attnx build-engine`` inlines before parsing.
     """
 
     name: str
@@ -75,6 +79,7 @@ class CustomOp:
     torch_op: Any = None
     plugin: Callable[[], Callable] | None = None
     doc: str = ""
+    engine_function: Callable[[int], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,9 @@ class VariantSpec:
     custom_ops: tuple[CustomOp, ...] = ()
     tolerances: Mapping[str, Mapping[str, Tolerance]] = field(default_factory=dict)
     placement: Placement = Placement()
+    #: decoding with a KV cache: what the cached step computes, where it is not simply "exact" (the
+    #: state the attention declares in ``cache_state`` is listed beside it by :meth:`cache_summary`)
+    cache_note: str = ""
 
     def context_inputs(self, config) -> list[InputSpec]:
         """The context inputs of one layer of this variant (attention's, then the fusion's)."""
@@ -120,6 +128,14 @@ class VariantSpec:
         if self.fusion is not None:
             specs += self.fusion.context_inputs(config)
         return specs
+
+    def cache_summary(self) -> str:
+        """What a decoder's KV cache holds for this variant, and how its cached step relates to re-running
+        the whole sequence (``attnx variants``, ``attnx.cache`` metadata)."""
+        declare = getattr(self.attention, "cache_state", None)
+        entries = [e.name for e in declare(self.make_config())] if declare is not None else []
+        held = "k, v" + "".join(f", {name}" for name in entries)
+        return f"caches {held}; " + (self.cache_note or "a cached step equals re-running the sequence")
 
     def make_config(self, **options):
         """The config dataclass; an unknown option is an error listing the valid ones."""

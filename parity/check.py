@@ -236,6 +236,14 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
 
     step("reference")
     model, info = load_reference(model_path)
+    if info.cache:  # a decoder exported with its KV cache: checked on cached generation steps
+        from attnx.parity.generation import run_generation_check
+
+        if cases or case_specs or tolerances:
+            raise ParityError("--case does not apply to a with-past export: it is checked on generation steps from "
+                              "real text (pass --text to choose the texts)")
+        return run_generation_check(model_path, model, info, engine=engine, texts=texts, original=original,
+                                    plugins=plugins, progress=step)
     if is_pretrained(info):
         if cases or case_specs or tolerances:
             raise ParityError("--case does not apply to a pretrained export: it is checked on real text "

@@ -38,11 +38,14 @@ class Call:
     head_mask: torch.Tensor | None = None  # [n_layers, H] (1 keeps a head, 0 ablates it)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # id(attnx module) -> its input
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> the layer's input
+    #: a decoder's cached forward (attnx.pretrained.cached.CachedState): each layer's variant state beside k/v
+    cache: object | None = None
 
     opened: contextvars.Token | None = None  # set on a Call a model's first layer opened (open_forward)
 
     def extended(self, context: dict | None = None, tokens=None) -> "Call":
-        return Call({**self.context, **(context or {})}, self.tokens if tokens is None else tokens, self.head_mask)
+        return Call({**self.context, **(context or {})}, self.tokens if tokens is None else tokens, self.head_mask,
+                    cache=self.cache)
 
 
 _CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("attnx_call", default=None)
@@ -154,7 +157,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     else:
         bias = mask_bias(None, lq, lk, query.dtype, causal and lq > 1, device=query.device)[0]
         row_valid = None
-    masking = Mask(bias, row_valid, call.tokens, call.hidden.get(id(core)))
+    masking = Mask(bias, row_valid, call.tokens, call.hidden.get(id(core)),
+                   cache=None if call.cache is None else call.cache.layer(core.layer_index))
     head_mask = None if call.head_mask is None else call.head_mask[core.layer_index]
     if core.training:
         core.dropout.p = float(dropout)  # the family's attention dropout (it passes 0 in eval)

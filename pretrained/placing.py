@@ -35,7 +35,7 @@ from attnx.interp.hooks import HookPoint
 from attnx.models.attention import AttentionBase, without_projections
 from attnx.models.signature import InputSpec
 from attnx.models.spec import ExtraOutput, VariantSpec, get_spec
-from attnx.pretrained import backend
+from attnx.pretrained import backend, forward
 
 
 @dataclass
@@ -199,10 +199,11 @@ def place(model, variant: str | Placement = "mha", *, layers=None, append: int |
         core.scale = float(call.scaling) if call.scaling is not None else 1.0 / math.sqrt(call.head_dim)
         core.softcap = call.softcap
         core.layer_index, core.variant = i, layer_spec.name
+        core.kv_heads = call.n_kv_heads  # the host's key/value heads: what its KV cache holds per layer
         if i in replaced:
             make_neutral(spec, core, None)
         call.module.attnx = core
-        call.module.register_forward_pre_hook(_attention_pre, with_kwargs=True)
+        call.module.register_forward_pre_hook(forward.attention_pre, with_kwargs=True)
     model.attnx_attention = [names[c.module] for c in probed]
 
     layer_list = _layer_list(model, [c.module for c in probed])
@@ -220,8 +221,8 @@ def place(model, variant: str | Placement = "mha", *, layers=None, append: int |
                                                        is_causal=probed[i].is_causal))
                 make_neutral(spec, None, fusion)
             layer.attnx_layer = LayerHooks(i, fusion, first=i == 0, last=i == len(layer_list) - 1)
-            layer.register_forward_pre_hook(_layer_pre, with_kwargs=True)
-            layer.register_forward_hook(_layer_post, with_kwargs=True, always_call=True)
+            layer.register_forward_pre_hook(forward.layer_pre, with_kwargs=True)
+            layer.register_forward_hook(forward.layer_post, with_kwargs=True, always_call=True)
         if placement.append:
             eps = float(getattr(cfg, "layer_norm_eps", None) or getattr(cfg, "rms_norm_eps", None) or 1e-5)
             last = probed[-1]
@@ -234,12 +235,12 @@ def place(model, variant: str | Placement = "mha", *, layers=None, append: int |
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if isinstance(embeddings, nn.Module):  # TransformerLens' hook_embed: the token embeddings, any family
         embeddings.attnx_hook_embed = HookPoint()
-        embeddings.register_forward_hook(_embeddings_post)
+        embeddings.register_forward_hook(forward.embeddings_post)
     _name_hooks(model)
     model.attnx_context = tuple(s.name for s in context_inputs(model))
     for m in _entry_modules(model):
-        m.register_forward_pre_hook(_model_pre, with_kwargs=True)
-        m.register_forward_hook(_model_post, with_kwargs=True, always_call=True)
+        m.register_forward_pre_hook(forward.model_pre, with_kwargs=True)
+        m.register_forward_hook(forward.model_post, with_kwargs=True, always_call=True)
     model.attnx_placement = placement
     model.config.attnx = {"placement": placement.to_dict()}
     return model
@@ -381,101 +382,3 @@ def aux_loss(model) -> torch.Tensor | None:
     """Sum of the placed layers' auxiliary losses of the last training forward (maw's GRPO loss)."""
     losses = [b.attn.aux_loss for b in blocks(model) if getattr(b.attn, "aux_loss", None) is not None]
     return torch.stack(losses).sum() if losses else None
-
-
-# --------------------------------------------------------------------------- the forward hooks
-# Module-level functions reading their state from the module they are called on, so a deepcopy of a
-# placed model (its hooks copied by reference) works on its own modules.
-
-def _hidden_arg(args, kwargs):
-    return args[0] if args else kwargs.get("hidden_states")
-
-
-def _with_hidden(args, kwargs, value):
-    if args:
-        return (value, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": value}
-
-
-def _first(output):
-    return output if isinstance(output, torch.Tensor) else output[0]
-
-
-def _with_first(output, value):
-    if isinstance(output, torch.Tensor):
-        return value
-    if isinstance(output, tuple):
-        return (value, *output[1:])
-    output[0] = value  # a ModelOutput
-    return output
-
-
-def _embeddings_post(module, args, output):
-    return module.attnx_hook_embed(output) if isinstance(output, torch.Tensor) else None
-
-
-def _attention_pre(module, args, kwargs):
-    call = backend._CALL.get()
-    if call is not None:
-        call.hidden[id(module.attnx)] = _hidden_arg(args, kwargs)
-
-
-def _layer_pre(layer, args, kwargs):
-    hooks = layer.attnx_layer
-    if hooks.first:
-        # One Call per forward, opened by the first layer: a caller may bypass the model's own hooks
-        # (sentence-transformers calls ``model.forward`` directly), but every family calls its layers.
-        backend.open_forward()
-    x = _hidden_arg(args, kwargs)
-    x_hooked = hooks.hook_resid_pre(x)
-    call = backend._CALL.get()
-    if call is not None and hooks.fusion is not None:
-        call.layer_inputs[hooks.index] = x_hooked
-    if x_hooked is not x:
-        return _with_hidden(args, kwargs, x_hooked)
-    return None
-
-
-def _layer_post(layer, args, kwargs, output):
-    hooks = layer.attnx_layer
-    try:
-        if output is None:  # the layer raised (an always_call hook still runs): only close the forward
-            return None
-        y = _first(output)
-        call = backend.current_call()
-        if hooks.fusion is not None:
-            ctx = backend._context_for(hooks.fusion, call, y.shape[0])
-            y = hooks.fusion(call.layer_inputs[hooks.index], y, **ctx)
-        y = hooks.hook_resid_post(y)
-        if hooks.appended is not None:
-            for j, block in enumerate(hooks.appended):
-                head_mask = None if call.head_mask is None else call.head_mask[hooks.index + 1 + j]
-                ctx = backend._context_for(block.attn, call, y.shape[0])
-                y = block(y, call.tokens, head_mask, **ctx)
-        return _with_first(output, y)
-    finally:
-        if hooks.last:
-            backend.close_forward()
-
-
-def _model_pre(model, args, kwargs):
-    names = getattr(model, "attnx_context", ())
-    context = {n: kwargs.pop(n) for n in names if n in kwargs}
-    tokens = kwargs.get("attention_mask")
-    if tokens is None and len(args) > 1:
-        try:
-            tokens = inspect.signature(model.forward).bind_partial(*args).arguments.get("attention_mask")
-        except TypeError:
-            tokens = None
-    if tokens is not None and tokens.dim() != 2:
-        tokens = None  # a 4-D mask of the caller's own: no token mask to pool with
-    stack = model.__dict__.setdefault("_attnx_calls", [])
-    stack.append(backend._CALL.set(backend.current_call().extended(context, tokens)))
-    return args, kwargs
-
-
-def _model_post(model, args, kwargs, output):
-    stack = model.__dict__.get("_attnx_calls")
-    if stack:
-        backend._CALL.reset(stack.pop())
-    return None

@@ -6,6 +6,8 @@
     emb = model.encode(["A man is eating food.", "A man rides a horse."], normalize_embeddings=True)
     emb.shape                                                     # (2, 384) float32
     logits = TextModel("gpt2-mha.onnx").logits(["Hello there"])  # [tokens, vocab] per text
+    for piece in TextModel("attnx-out/gpt2-mha-with-past").generate("Hello", max_new_tokens=20):
+        print(piece, end="")                                      # a with-past export generates
 
 The model loads once (:func:`attnx.runtime.load`) with its tokenizer (:mod:`attnx.runtime.text`: the
 export's metadata, or ``tokenizer=DIR`` for a file attnx did not write). ``encode`` tokenises every
@@ -62,8 +64,13 @@ class TextModel:
             self.session = path
         else:
             self.session = load(find_model_file(path), device=device, threads=threads, axes=axes)
-        found = TextTokenizer.from_export(self.session.path, self.session.info) if tokenizer is None else \
-            TextTokenizer.from_folder(tokenizer)
+        if tokenizer is None:
+            from attnx.runtime.decoding import source_info  # an engine: its ONNX's metadata names the tokenizer
+
+            info, source = source_info(self.session)
+            found = TextTokenizer.from_export(source, info)
+        else:
+            found = TextTokenizer.from_folder(tokenizer)
         if found is None:
             raise ValueError(f"{self.session.path.name} carries no tokenizer: pass tokenizer=FOLDER "
                              f"(a folder with tokenizer.json)")
@@ -116,6 +123,39 @@ class TextModel:
             return np.stack(values) if values else np.zeros((0, *self._row_shape(name)), np.float32)
         return values
 
+    # --- generation (with-past exports) -------------------------------------------------
+    def generate(self, prompt: str, *, max_new_tokens: int = 64, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, repetition_penalty: float | None = None,
+                 stop: str | Sequence[str] | None = None, seed: int | None = None, do_sample: bool | None = None,
+                 context: Mapping[str, np.ndarray] | None = None, details: bool = False):
+        """Generate from ``prompt`` with a with-past export (``attnx export --with-past``): a Python generator
+        of text pieces as they are made (``details=True``: :class:`~attnx.runtime.generate.Piece` s, with the
+        token ids and, last, ``finish_reason``). Greedy unless sampling is asked for (``temperature`` > 0,
+        ``top_k``, ``top_p``, ``do_sample``); ``stop`` strings end the text (and are not part of it);
+        ``seed`` makes sampling repeatable; ``context``: a placed variant's context inputs, one row each.
+        Parameters are checked before anything runs (ValueError, one line)."""
+        from attnx.runtime.generate import stream
+        from attnx.runtime.sampling import sampling_params
+
+        params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 repetition_penalty=repetition_penalty, stop=stop, seed=seed, do_sample=do_sample)
+        decoder = self.decoder
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("the prompt must be a non-empty string")
+        ids = self.tokenizer.tokenize([prompt], truncate=False)[0].ids
+        pieces = stream(decoder, self.tokenizer, ids, params, context)
+        return pieces if details else (p.text for p in pieces if p.text)
+
+    @property
+    def decoder(self):
+        """The with-past model's step runner (:class:`~attnx.runtime.decoding.Decoder`); ValueError for a file
+        that cannot generate."""
+        if getattr(self, "_decoder", None) is None:
+            from attnx.runtime.decoding import Decoder
+
+            self._decoder = Decoder(self.session)
+        return self._decoder
+
     def logits(self, texts: str | Sequence[str], batch_size: int = 8,
                show_progress_bar: bool | None = None) -> Any:
         """A causal LM's logits for each text: ``[tokens, vocab]`` per text (a list; one text: an array)."""
@@ -145,7 +185,7 @@ class TextModel:
         prepared = [self.layout.prepare(self.session.check_feeds(text_feeds(self.session.inputs, e, c)))
                     for e, c in zip(encoded, ctx)]
         order = sorted(range(len(texts)), key=lambda i: -encoded[i].length)
-        chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        chunks = length_chunks(order, [e.length for e in encoded], batch_size)
         results: list[dict[str, np.ndarray]] = [{} for _ in texts]
         with _progress(len(texts), progress, len(chunks)) as advance:
             for chunk in chunks:
@@ -159,6 +199,24 @@ class TextModel:
                     results[i] = part
                 advance(len(chunk))
         return results
+
+
+#: Longest/shortest text in one run, as the server batches (``attnx serve --max-length-ratio``): padding is
+#: compute on a CPU (32 of the built-in sentences, 4-78 tokens, in one encode call: 3.6x faster than one
+#: padded batch; benchmarks/bench_peers.py).
+MAX_LENGTH_RATIO = 1.5
+
+
+def length_chunks(order: list[int], lengths: list[int], batch_size: int,
+                  ratio: float = MAX_LENGTH_RATIO) -> list[list[int]]:
+    """``order`` (longest first) cut into runs of at most ``batch_size`` whose longest is at most ``ratio``
+    times their shortest."""
+    chunks: list[list[int]] = []
+    for i in order:
+        if not chunks or len(chunks[-1]) == batch_size or lengths[chunks[-1][0]] > ratio * max(lengths[i], 1):
+            chunks.append([])
+        chunks[-1].append(i)
+    return chunks
 
 
 class _progress:

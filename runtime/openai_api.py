@@ -85,10 +85,13 @@ def add_openai_routes(app: FastAPI, api: EmbeddingApi) -> None:
     @app.get("/v1/models")
     async def list_models():
         cards = [card(m.name) for m in embedding_models(api.registry)]
+        cards += [card(name) for name in getattr(api, "generation_models", {})]  # text generation models
         return Response(json.dumps({"object": "list", "data": cards}), media_type="application/json")
 
     @app.get("/v1/models/{model_id}")
     async def get_model(model_id: str):
+        if model_id in getattr(api, "generation_models", {}):
+            return Response(json.dumps(card(model_id)), media_type="application/json")
         try:
             model = pick_model(api.registry, model_id)
         except (UnknownModel, InputProblem) as e:  # a model that does not embed is not listed either

@@ -71,11 +71,14 @@ from attnx.runtime.session import Session, load, public_message
 from attnx.runtime.tei_api import add_tei_routes
 from attnx.runtime.rerank_api import add_rerank_routes
 from attnx.runtime.classify_api import add_classify_routes
+from attnx.runtime.completions_api import GenerationApi, add_completion_routes
+from attnx.runtime.generate_api import add_generate_routes
+from attnx.runtime.generation_service import GenerationModel, is_generator
 from attnx.runtime.text import TextTokenizer, prepare_text_model
 
 SERVER_NAME = "attnx"
 #: Protocol extensions we implement (Triton names).
-EXTENSIONS = ["binary_tensor_data", "model_repository(index)", "statistics(prometheus)"]
+EXTENSIONS = ["binary_tensor_data", "model_repository(index)", "statistics(prometheus)", "generate"]
 #: Parse/encode bodies larger than this in a worker thread, so big JSON does not stall the loop.
 _OFFLOAD_PARSE_BYTES = 32 << 10
 #: All-JSON answers with more output bytes than this are streamed in pieces (http_codec.stream_json_response).
@@ -339,11 +342,19 @@ class InferenceServer:
         self.budget = ByteBudget(self.limits.decode_budget)  # shared by HTTP and gRPC
         self.warnings: list[str] = []
         tokenizers = dict(tokenizers or {})
+        self.generators: dict = {}  # with-past exports: text generation (attnx.runtime.generation_service)
         for name, model in models.items():
             session = model if isinstance(model, Session) else load(model, device=device, threads=threads, axes=axes)
             folder = tokenizers.get(name, tokenizers.get(None))
             tokenizer = (TextTokenizer.from_folder(folder, self.limits.max_seq) if folder is not None
                          else TextTokenizer.from_export(session.path, session.info))
+            if is_generator(session):  # batched per decoding step, not per request: its own scheduler
+                if name in self.generators:
+                    raise ValueError(f"two models named {name!r} (use name=path to rename one)")
+                self.generators[name] = GenerationModel.load(name, session, tokenizer,
+                                                             max_batch=self.batching.max_batch_size,
+                                                             max_queue=self.batching.max_queue_size)
+                continue
             if tokenizer is not None:  # refused at load if it cannot feed this model; pooled as its folder says
                 session = prepare_text_model(session, tokenizer, folder, self.warnings.append)
             batcher = DynamicBatcher(session, self.batching, observer=self.metrics.observer(name), name=name,
@@ -362,7 +373,7 @@ class InferenceServer:
             self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
                                      extensions=EXTENSIONS, budget=self.budget,
                                      interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
-        self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._stop_grpc,
+        self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._on_shutdown,
                               budget=self.budget)
         # The OpenAI and TEI embedding routes: the same models, batchers, limits, budget and metrics.
         api = EmbeddingApi(self.registry, self.metrics, self.limits, self.budget, dimensions or Dimensions())
@@ -370,6 +381,11 @@ class InferenceServer:
         add_tei_routes(self.app, api)
         add_rerank_routes(self.app, api)  # sequence classifiers: Cohere/Jina rerank, Infinity classify
         add_classify_routes(self.app, api)
+        # Text generation (with-past exports): Triton's generate extension and OpenAI's completions.
+        generation = GenerationApi(self.generators, api)
+        api.generation_models = self.generators  # listed by /v1/models too
+        add_generate_routes(self.app, generation)
+        add_completion_routes(self.app, generation)
         if key:
             self.app.add_middleware(ApiKeyMiddleware, key=key)
         self._socket: socket.socket | None = None
@@ -380,6 +396,12 @@ class InferenceServer:
     def _stop_grpc(self) -> None:
         if self.grpc is not None:
             self.grpc.stop(self.config.graceful_timeout_s)
+
+    def _on_shutdown(self) -> None:
+        """Before the batchers close: gRPC stops, generations in progress finish."""
+        self._stop_grpc()
+        for g in self.generators.values():
+            g.close(drain=True, timeout=self.config.graceful_timeout_s)
 
     def describe(self) -> str:
         """What each model takes and gives, and how its requests are batched (``attnx serve --describe``)."""
@@ -406,6 +428,13 @@ class InferenceServer:
             if layout.can_batch:
                 lines.append(f"  -> outputs cut back to each request's length: {unpadded or '-'}; "
                              f"split by row: {split or '-'}")
+        for name, g in self.generators.items():
+            cache = g.decoder.layout
+            lines.append(f"model {name}: {g.session.path} ({g.session.provider}) generates text")
+            lines.append(f"  KV cache: {len(cache.tensors)} tensors ({', '.join(sorted({t.input.split('.', 2)[-1] for t in cache.tensors}))}), "
+                         f"{g.decoder.max_positions or '?'} positions, end of sequence {list(cache.eos) or '-'}")
+            lines.append(f"  -> batched per decoding step: at most {g.scheduler.max_batch} sequences, "
+                         f"{g.scheduler.max_queue} waiting; chat template: {'yes' if g.chat_template else 'no'}")
         return "\n".join(lines)
 
     @property
@@ -507,7 +536,7 @@ class InferenceServer:
         if self._thread is not None:
             self._thread.join(timeout if timeout is not None else self.config.graceful_timeout_s + 10)
             self._thread = None
-        self._stop_grpc()
+        self._on_shutdown()
         self.registry.close()
         if self._socket is not None:
             self._socket.close()

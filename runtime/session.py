@@ -352,7 +352,10 @@ def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None =
     suffix = p.suffix.lower()
     if suffix == ".onnx":
         from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions
+        from attnx.runtime.decoding import decoding_options
 
+        # a with-past export runs one short step after another: its own defaults (caller's options win)
+        opts = {**decoding_options(p), **opts}
         session: Session = OnnxRuntimeSession(p, OrtOptions(device=device, threads=threads, **opts))
     elif suffix in (".engine", ".plan"):
         from attnx.runtime.backends.tensorrt import EngineSession

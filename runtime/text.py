@@ -143,15 +143,17 @@ class TextTokenizer:
                 "truncation": self.max_length is not None, "pad_id": self.pad_id}
 
     # --- tokenising --------------------------------------------------------------
-    def tokenize(self, texts: Sequence[str], *, truncate: bool = True, allow_empty: bool = False) -> list[Encoded]:
-        """Token ids for each text: special tokens added, cut to the max length on the truncation side
-        (``truncate=False``: a text past it is an :class:`InputError` instead)."""
+    def tokenize(self, texts: Sequence[str], *, truncate: bool = True, allow_empty: bool = False,
+                 add_special_tokens: bool = True) -> list[Encoded]:
+        """Token ids for each text: special tokens added (unless ``add_special_tokens=False``: a chat template
+        writes its own), cut to the max length on the truncation side (``truncate=False``: a text past it is
+        an :class:`InputError` instead)."""
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise InputError(f"text {i} is {type(text).__name__}, not a string")
             if not text and not allow_empty:
                 raise InputError(f"text {i} is empty")
-        return self._encode(list(texts), truncate, "text")
+        return self._encode(list(texts), truncate, "text", add_special_tokens)
 
     def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Encoded]:
         """Token ids for each ``(first, second)`` pair, in the tokenizer's own pair template (BERT:
@@ -167,10 +169,14 @@ class TextTokenizer:
                 raise InputError(f"pair {i} is not two strings")
         return self._encode([tuple(p) for p in pairs], truncate, "pair")
 
-    def _encode(self, inputs: list, truncate: bool, what: str) -> list[Encoded]:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Token ids back to text (generation)."""
+        return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def _encode(self, inputs: list, truncate: bool, what: str, add_special_tokens: bool = True) -> list[Encoded]:
         tok = self._cut if truncate else self._full
         try:
-            encodings = tok.encode_batch(inputs)
+            encodings = tok.encode_batch(inputs, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates, which are not UTF-8
             raise InputError(f"cannot tokenise the text: {' '.join(str(e).split())[:200]}") from None
         out = []

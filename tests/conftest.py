@@ -65,3 +65,20 @@ def plugin_lib() -> Path:
             pytest.skip("nvcc not found: the plugin library is not built and cannot be compiled here")
         path = plugins.build()
     return path
+
+
+@pytest.fixture(scope="module")
+def toy_registered():
+    """The toy variant (tests/toy_variant.py) registered for the module that asks, and unregistered after."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import toy_variant
+
+    from attnx.models.spec import unregister, variant_names
+
+    if "toy" not in variant_names():
+        importlib.reload(toy_variant)
+    yield
+    unregister("toy")

@@ -91,7 +91,7 @@ def corpus() -> list[str]:
 
 def train_tokenizer(kind: str, vocab: int = 200):
     """A ``tokenizers.Tokenizer`` trained on the built-in sentences (specials first, so ids 0.. are fixed)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     specials = SPECIALS[kind]
     if kind == "wordpiece":

@@ -13,7 +13,8 @@ COMMANDS = [c.name or c.callback.__name__ for c in app.registered_commands] + \
 
 
 def test_the_command_list_is_what_users_expect():
-    for name in ("export", "check", "build-engine", "serve", "bench", "explain", "triton-repo", "demo", "variants"):
+    for name in ("export", "check", "build-engine", "serve", "bench", "explain", "triton-repo", "demo", "variants",
+                 "generate"):
         assert name in COMMANDS
 
 

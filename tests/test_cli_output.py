@@ -38,7 +38,7 @@ def test_inspect_into_a_pipe_prints_whole_rows_and_registered_schemas(smal, tmp_
     assert "…" not in run.stdout  # rich cut nothing
     config = next(line for line in run.stdout.splitlines() if "attnx.config" in line)
     assert '"variant": "smal"' in config and len(config) > 160  # the value's first 157 characters, on one line
-    row = next(line for line in run.stdout.splitlines() if "attnx::TtaDistance" in line)
+    row = next(line for line in run.stdout.splitlines() if "attnx::SmalAttention" in line)
     assert row.split("│")[4].strip() == "yes", row  # the schema column: registered before the lookup
     info = json.loads(piped("inspect", smal, "--json", cwd=tmp_path).stdout)
     assert [c["schema"] for c in info["custom_ops"]] == [True]

@@ -144,3 +144,25 @@ def test_gpt2_logits_for_text_equal_transformers(gpt2):
         np.testing.assert_allclose(logits, want, atol=1e-5 * np.abs(want).max(), rtol=0)  # logits reach ~30
     one = model.logits("a man is riding a horse")
     assert one.shape == (6, len(VOCAB_WORDS))
+
+
+def test_one_call_runs_texts_of_like_length_together():
+    """Longest first, cut where a run reaches batch_size or its longest exceeds 1.5x the next text (the server's
+    ratio): little padding, the same numbers as one padded batch (issue 25)."""
+    from attnx.runtime.encode import length_chunks
+
+    lengths = [78, 4, 70, 12, 11, 5, 9, 37]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks = length_chunks(order, lengths, batch_size=32)
+    assert [[lengths[i] for i in c] for c in chunks] == [[78, 70], [37], [12, 11, 9], [5, 4]]
+    assert [len(c) for c in length_chunks(order, [10] * 8, batch_size=3)] == [3, 3, 2]
+
+
+def test_length_runs_give_the_padded_batchs_numbers(model, monkeypatch):
+    from attnx.pretrained.sentences import CALIBRATION, SENTENCES
+    from attnx.runtime import encode as encode_module
+
+    texts = [*SENTENCES, *CALIBRATION]
+    runs = model.encode(texts, batch_size=32)
+    monkeypatch.setattr(encode_module, "length_chunks", lambda o, lengths, b: [o[i:i + b] for i in range(0, len(o), b)])
+    np.testing.assert_allclose(model.encode(texts, batch_size=32), runs, atol=1e-6)

@@ -32,7 +32,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from attnx.models.spec import unregister, variant_names  # noqa: E402
 
 ROWS = [(name, variant) for name, fam in hf_folders.FAMILIES.items() for variant in ("mha", fam.variant)]
 IDS = [f"{name}-{variant}" for name, variant in ROWS]
@@ -45,16 +44,9 @@ def record(name: str, variant: str, **figures) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def toy_and_matrix():
-    """The toy variant (tests/toy_variant.py) registered for this module only; the matrix written at the end."""
-    import importlib
-
-    import toy_variant
-
-    if "toy" not in variant_names():
-        importlib.reload(toy_variant)
+def toy_and_matrix(toy_registered):
+    """The toy variant registered for this module only; the matrix written at the end."""
     yield
-    unregister("toy")
     previous = json.loads(MATRIX.read_text()) if MATRIX.is_file() else {}
     MATRIX.parent.mkdir(parents=True, exist_ok=True)
     MATRIX.write_text(json.dumps({**previous, **RESULTS, "_versions": {

@@ -30,23 +30,13 @@ transformers.logging.set_verbosity_error()
 
 from attnx import pretrained  # noqa: E402
 from attnx.interp.hooks import run_with_cache  # noqa: E402
-from attnx.models.spec import unregister, variant_names  # noqa: E402
 from attnx.pretrained import placing  # noqa: E402
 from attnx.pretrained.host import TASKS, positions_from_mask  # noqa: E402
 
 FAMILIES = list(hf_folders.FAMILIES)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def toy():
-    import importlib
-
-    import toy_variant
-
-    if "toy" not in variant_names():
-        importlib.reload(toy_variant)
-    yield
-    unregister("toy")
+pytestmark = pytest.mark.usefixtures("toy_registered")
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +209,52 @@ def test_layers_not_chosen_keep_plain_attention_and_placing_twice_is_refused(fol
         "gamma", "self_gate.bias", "self_gate.weight"]
     with pytest.raises(ValueError, match="already has a placed variant"):
         placing.place(model, "cultural")
+
+
+def test_the_transformers_trainer_and_peft_train_a_placed_variant(folders, tmp_path):
+    """The trainers people use: transformers' Trainer (full fine-tuning) and PEFT's LoRA with the variant's
+    own parameters trained beside the adapters; the merged model exports as the trained model."""
+    import numpy as np
+    import onnxruntime as ort
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+
+    from attnx.export.pretrained import export_pretrained
+
+    folder = folders("llama")
+    ids = torch.randint(4, 100, (16, 10), generator=torch.Generator().manual_seed(0))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    placing.place(model, "cultural")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".attnx." in n}
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "t"), max_steps=3, per_device_train_batch_size=8,
+                                          learning_rate=0.05, report_to="none", save_strategy="no", use_cpu=True)
+    with pretrained.context(cultural=torch.randn(1, 32)):
+        transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    assert max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters() if n in before) > 0
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    placing.place(model, "cultural")
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8))
+    for n, p in lora.named_parameters():
+        if ".attnx." in n:
+            p.requires_grad_(True)  # the variant learns with the adapters; the base stays frozen
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and any(".attnx." in n for n in trainable)
+    assert not any(n.endswith("embed_tokens.weight") for n in trainable)
+    with pretrained.context(cultural=torch.randn(1, 32)):
+        transformers.Trainer(model=lora, args=args, train_dataset=data).train()
+    merged = lora.merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "merged" / f).write_bytes((folder / f).read_bytes())
+    result = export_pretrained(tmp_path / "merged", tmp_path / "merged.onnx")
+    ctx = torch.randn(2, 32)
+    x = ids[:2]
+    with torch.no_grad():
+        want = merged.eval()(input_ids=x, cultural=ctx).logits.numpy()
+    sess = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    got = sess.run(["logits"], {"input_ids": x.numpy(), "attention_mask": np.ones_like(x.numpy()),
+                                "cultural": ctx.numpy()})[0]
+    assert np.abs(got - want).max() <= 1e-4

@@ -1,0 +1,60 @@
+"""``attnx export --from-pretrained DIR --with-past``: a decoder that generates, one file for prefill and decode.
+
+The file (:class:`attnx.pretrained.cached.CachedHost` traced by the usual exporter) takes the new tokens,
+``attention_mask`` over past + new, ``position_ids`` and the cache ``past_key_values.{i}.key|value`` (plus
+any state a variant keeps beside them, :mod:`attnx.models.cache`), and returns ``logits`` and
+``present.{i}.*``: Optimum's and onnxruntime-genai's names, dims ``batch``, ``seq`` (new tokens), ``past``
+and ``total`` (past + new), all dynamic. ``attnx.cache`` in the metadata lists every cached tensor with
+its layer and grown axis, the special tokens and the positions, which is all a generation loop needs
+(:mod:`attnx.runtime.generation`).
+
+By default it goes to its own folder, ``attnx-out/<name>-with-past/model.onnx``, with the weights, the
+tokenizer folder, and ``genai_config.json`` plus the tokenizer files onnxruntime-genai reads
+(:mod:`attnx.export.genai`). Engine profiles: ``seq`` 1..positions (opt 1: decoding), ``past`` 1..positions
+(attnx keeps one masked cache slot, so no tensor is ever empty), ``total`` 2..positions + 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from attnx.contract import BATCH, PAST, SEQ, TOTAL
+
+
+def default_profiles(positions: int, given: dict | None = None) -> dict:
+    """Profiles of a with-past export (``given`` batch/seq kept; the cache's axes follow positions)."""
+    opt_past = min(128, positions)
+    out = {BATCH: (1, 8, 32), SEQ: (1, 1, positions), PAST: (1, opt_past, positions),
+           TOTAL: (2, opt_past + 1, positions + 1)}
+    out.update(given or {})
+    if out[SEQ][2] > positions:
+        raise ValueError(f"seq profile max {out[SEQ][2]} exceeds the model's {positions} positions")
+    return out
+
+
+def prepare(host, path, profiles, folder_out, name: str, attention_outputs, head_mask):
+    """The cached host, output path and profiles for :func:`attnx.export.pretrained.export_pretrained`."""
+    from attnx.pretrained.cached import CachedHost
+
+    if attention_outputs is not None or head_mask:
+        raise ValueError("--with-past exports a decoder that generates: attention outputs and head masks are for "
+                         "the full-sequence export (leave out --with-past)")
+    if host.task != "causal-lm":
+        raise ValueError(f"--with-past needs a causal LM (a decoder that generates); {host.source or 'this folder'} "
+                         f"is {host.task} (config.json's architectures; --task causal-lm to choose it)")
+    cached = CachedHost.of(host)
+    if path is None:
+        path = Path(folder_out) / f"{name}-with-past" / "model.onnx"
+    return cached, Path(path), default_profiles(cached.max_seq, profiles)
+
+
+def finish(result, hf_config: dict, tokenizer_dir) -> list[str]:
+    """After the export: onnxruntime-genai's files beside it; notes for the user."""
+    from attnx.export.genai import CONFIG_NAME, genai_support, write_genai_files
+
+    write_genai_files(result.path, result.info, hf_config, tokenizer_dir)
+    why = genai_support(result.info)
+    where = result.path.parent / CONFIG_NAME
+    if why:
+        return [f"{where} written, but onnxruntime-genai cannot run this file by itself: " + "; ".join(why)]
+    return [f"{where} written: onnxruntime-genai runs this folder (og.Model('{result.path.parent}'))"]

@@ -1,0 +1,128 @@
+"""Helpers shared by the generation tests (imported by them; pytest does not load it by itself).
+
+Random-weight folders of ``tests/hf_folders.py`` and their with-past exports are made once per test session
+under pytest's base temporary folder (a second module asks for the same export and finds it), so the
+generation tests export each model once. ``trained_folder`` saves a placed model whose variant is moved
+off its neutral values (what a fine-tuned placement looks like), so the variant's own math is what the
+cache has to carry.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_folders  # noqa: E402
+
+#: A chat template in the form transformers' templates take (tokenizer_config.json's ``chat_template``).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def base(tmp_path_factory) -> Path:
+    root = tmp_path_factory.getbasetemp() / "with-past"
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def folder(root: Path, name: str) -> Path:
+    path = root / "folders" / name
+    if not (path / "config.json").is_file():
+        hf_folders.make_folder(name, root / "folders")
+    return path
+
+
+def chat_folder(root: Path) -> Path:
+    """The Llama folder with a chat template in its tokenizer_config.json."""
+    path = root / "folders" / "llama-chat"
+    if not (path / "config.json").is_file():
+        shutil.copytree(folder(root, "llama"), path)
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = CHAT_TEMPLATE
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def move_off_neutral(host, seed: int = 0) -> None:
+    """Every placed variant's own parameters moved off their neutral values (seeded): smal's gamma, cultural's
+    lambda, metaphor's gate, maw's output projection and policy, the toy's temperature exponent."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in host.hf.named_parameters():
+            if ".attnx." not in f".{name}" and ".attnx_layer." not in f".{name}":
+                continue
+            if name.endswith("gamma"):
+                p.fill_(0.8)
+            elif name.endswith(".lam"):
+                p.fill_(0.5)
+            elif name.endswith("exponent"):
+                p.fill_(1.0)
+            elif "W_g" in name or "W_O" in name or "policy" in name:
+                p.add_(torch.randn(p.shape, generator=g) * (2.0 if "policy" in name else 0.3))
+            elif name.endswith("b_g") or name.endswith("W_g.bias"):
+                p.fill_(0.5)
+
+
+def trained_folder(root: Path, family: str, variant: str, **placement) -> Path:
+    """A folder saved from ``family`` with ``variant`` placed and moved off neutral (its tokenizer copied)."""
+    from attnx import pretrained
+
+    key = "-".join([family, variant] + [f"{k}{v}" for k, v in sorted(placement.items())]).replace(" ", "")
+    path = root / "trained" / key
+    if not (path / "config.json").is_file():
+        src = folder(root, family)
+        host = pretrained.load(src, variant, **placement)
+        move_off_neutral(host)
+        host.hf.save_pretrained(path)
+        for f in src.iterdir():
+            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                shutil.copyfile(f, path / f.name)
+    return path
+
+
+def export(root: Path, source: Path, variant: str | None = None, lowering: str = "plugin", **kw):
+    """The with-past export of ``source`` (once per session): its ``model.onnx`` path."""
+    from attnx.export.pretrained import export_pretrained
+
+    out = root / "exports" / f"{source.name}-{variant or 'saved'}-{lowering}" / "model.onnx"
+    if not out.is_file():
+        export_pretrained(source, out, variant=variant, lowering=lowering, with_past=True, **kw)
+    return out
+
+
+def greedy_transformers(source: Path, prompt: list[int], n: int) -> list[int]:
+    """transformers' own ``generate`` (greedy, no stop) on a folder."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=hf.config.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy_full_recompute(host, prompt: list[int], n: int, context: dict | None = None) -> list[int]:
+    """Greedy generation by re-running the whole sequence each step (no cache): the criterion."""
+    seq = list(prompt)
+    for _ in range(n):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logits = host.forward_named({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                         **(context or {})})["logits"]
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def neutral_context(specs, rows: int = 1) -> dict:
+    """Non-trivial context inputs (ones) as numpy rows, for variants that take them."""
+    out = {}
+    for s in specs:
+        shape = [rows if d == "batch" else d for d in s.shape]
+        out[s.name] = np.full(shape, 0.5, np.float32) if s.dtype == "float" else np.ones(shape, np.int64)
+    return out

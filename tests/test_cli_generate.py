@@ -1,0 +1,103 @@
+"""`attnx export --with-past`, `attnx generate` and `attnx build-engine` on a with-past file, through the real
+command line: the streamed text is what the runtime generates in process (itself equal to transformers'
+greedy ``generate``, test_generation.py), bad flags are one line, an engine builds with a past-length profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import generation_fixtures as gf
+
+ATTNX = [sys.executable, "-m", "attnx.cli.main"]
+PROMPT = "the cat sat on the mat"
+
+
+def attnx(*args, cwd=None):
+    return subprocess.run([*ATTNX, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return gf.base(tmp_path_factory)
+
+
+def test_export_with_past_then_generate(root, tmp_path):
+    source = gf.folder(root, "gpt2")
+    proc = attnx("export", "--from-pretrained", str(source), "--variant", "smal", "--with-past", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "attnx-out" / "gpt2-smal-with-past" / "model.onnx"
+    assert proc.stdout.strip().splitlines()[-1] == "attnx-out/gpt2-smal-with-past/model.onnx"
+    assert (path.parent / "genai_config.json").is_file() and (path.parent / "model.tokenizer").is_dir()
+    assert "onnxruntime-genai cannot run this file" in proc.stdout and "key_term" in proc.stdout
+    info = json.loads(attnx("inspect", str(path), "--json").stdout)
+    names = [i["name"] for i in info["inputs"]]
+    assert names[:3] == ["input_ids", "attention_mask", "position_ids"] and "past_key_values.1.key_term" in names
+    assert info["inputs"][1]["shape"] == ["batch", "total"]
+
+    from attnx.runtime import TextModel
+
+    want = "".join(TextModel(path).generate(PROMPT, max_new_tokens=8))
+    proc = attnx("generate", str(path.parent), PROMPT, "-n", "8", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want + "\n"
+    assert "tokens (" in proc.stderr and "ms/token" in proc.stderr
+    seeded = [attnx("generate", str(path), PROMPT, "-n", "8", "--temperature", "0.9", "--top-k", "20", "--seed", "3",
+                    cwd=tmp_path).stdout for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_generate_exports_a_hugging_face_folder_on_first_use(root, tmp_path):
+    source = gf.folder(root, "llama")
+    proc = attnx("generate", str(source), PROMPT, "-n", "6", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "exporting" in proc.stderr and (tmp_path / "attnx-out" / "llama-mha-with-past" / "model.onnx").is_file()
+    again = attnx("generate", str(source), PROMPT, "-n", "6", cwd=tmp_path)
+    assert "exported earlier" in again.stderr and again.stdout == proc.stdout
+
+    from attnx.runtime import TextModel
+
+    assert proc.stdout == "".join(TextModel(tmp_path / "attnx-out" / "llama-mha-with-past").generate(
+        PROMPT, max_new_tokens=6)) + "\n"
+
+
+@pytest.mark.parametrize("args,message", [(["-n", "0"], "max_new_tokens must be >= 1"),
+                                          (["--top-p", "1.5"], "--top-p"),
+                                          (["--temperature", "-1"], "--temperature")])
+def test_bad_flags_are_one_line(root, args, message):
+    path = gf.export(root, gf.folder(root, "llama"), "mha")
+    proc = attnx("generate", str(path), PROMPT, *args)
+    assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_full_sequence_export_cannot_generate(root, tmp_path):
+    out = tmp_path / "full.onnx"
+    assert attnx("export", "--from-pretrained", str(gf.folder(root, "llama")), "-o", str(out)).returncode == 0
+    proc = attnx("generate", str(out), PROMPT)
+    assert proc.returncode != 0 and "--with-past" in proc.stderr
+    proc = attnx("export", "--variant", "mha", "--with-past", "-o", str(tmp_path / "x.onnx"))
+    assert proc.returncode != 0 and "--from-pretrained" in proc.stderr
+    proc = attnx("export", "--from-pretrained", str(gf.folder(root, "bert")), "--with-past", "-o",
+                 str(tmp_path / "b" / "model.onnx"))
+    assert proc.returncode != 0 and "causal LM" in proc.stderr
+
+
+@pytest.mark.rtx
+def test_build_engine_on_a_with_past_export(root, tmp_path):
+    """TensorRT-RTX builds the decoder with profiles for the cache's axes (past 1..positions); `attnx check`
+    verifies the ONNX file and says the engine could not run here (no GPU)."""
+    pytest.importorskip("tensorrt_rtx_bindings")
+    path = gf.export(root, gf.folder(root, "llama"), "mha")
+    engine = tmp_path / "llama.engine"
+    proc = attnx("build-engine", str(path), "-o", str(engine))
+    assert proc.returncode == 0, proc.stderr
+    sidecar = json.loads(engine.with_name(engine.name + ".json").read_text())
+    assert sidecar["profiles"]["past"] == [1, 64, 64] and sidecar["profiles"]["total"] == [2, 65, 65]
+    assert {b["name"] for b in sidecar["inputs"]} >= {"past_key_values.0.key", "attention_mask"}
+    proc = attnx("check", str(path), "--engine", str(engine), cwd=tmp_path)
+    assert proc.returncode in (0, 3), proc.stdout + proc.stderr
+    assert "PASS" in proc.stdout or "engine not run here" in proc.stdout

@@ -1,0 +1,196 @@
+"""Served generation (issue 23): `attnx serve` on with-past exports, over real HTTP on loopback.
+
+The unmodified ``openai`` client (completions and chat completions, streamed or not) and Triton's generate
+extension (``/v2/models/{m}/generate`` and ``generate_stream`` as server-sent events) get the text that
+``TextModel.generate`` gives in process, which equals transformers' greedy ``generate`` (test_generation.py);
+the chat prompt is the one transformers' ``apply_chat_template`` renders. Concurrent streams share
+decoding steps and each still gets its own tokens; a client that disconnects frees its row; bad
+parameters are one-line 400s and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import generation_fixtures as gf
+from conftest_runtime import running_server
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+from attnx.runtime import BatcherConfig, TextModel  # noqa: E402
+
+PROMPT = "the cat sat on the mat"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Where is the cat?"}]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return gf.base(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def paths(root):
+    return {"llm": gf.export(root, gf.chat_folder(root), "mha"),
+            "smal": gf.export(root, gf.trained_folder(root, "llama", "smal"), None, "rewrite")}
+
+
+@pytest.fixture(scope="module")
+def server(paths):
+    with running_server(paths, batching=BatcherConfig(max_batch_size=8, max_queue_size=64)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def local(paths):
+    return {name: TextModel(p) for name, p in paths.items()}
+
+
+def greedy(model: TextModel, prompt, n: int, **kw) -> str:
+    return "".join(model.generate(prompt, max_new_tokens=n, **kw))
+
+
+def test_completions_equal_generation_in_process(client, local):
+    want = greedy(local["llm"], PROMPT, 12)
+    out = client.completions.create(model="llm", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == want and out.object == "text_completion"
+    ids = local["llm"].tokenizer.tokenize([PROMPT])[0].ids
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens <= 12
+    chunks = list(client.completions.create(model="llm", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == out.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    # several prompts and n: each choice its own generation, in OpenAI's order
+    many = client.completions.create(model="llm", prompt=[PROMPT, "a dog"], max_tokens=6, temperature=0, n=2)
+    texts = [c.text for c in sorted(many.choices, key=lambda c: c.index)]
+    assert texts == [greedy(local["llm"], PROMPT, 6)] * 2 + [greedy(local["llm"], "a dog", 6)] * 2
+
+
+def test_sampling_with_a_seed_repeats(client):
+    kw = dict(model="llm", prompt=PROMPT, max_tokens=10, temperature=0.9, top_p=0.95, seed=7)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_chat_completions_render_the_chat_template(root, client, local):
+    tok = transformers.AutoTokenizer.from_pretrained(gf.chat_folder(root))
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    model = local["llm"]
+    from attnx.runtime.generate import stream
+    from attnx.runtime.sampling import SamplingParams
+
+    want = "".join(p.text for p in stream(model.decoder, model.tokenizer, list(ids), SamplingParams(max_new_tokens=10)))
+    out = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == want and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="llm", messages=MESSAGES, max_completion_tokens=10,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model="smal", messages=MESSAGES, max_tokens=4)
+
+
+def test_triton_generate_and_stream(http, local):
+    want = greedy(local["llm"], PROMPT, 8)
+    r = http.post("/v2/models/llm/generate", json={"text_input": PROMPT, "parameters": {"max_tokens": 8}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["text_output"] == want and body["model_name"] == "llm" and body["finish_reason"] in ("stop", "length")
+    with http.stream("POST", "/v2/models/llm/generate_stream", json={"text_input": PROMPT, "max_tokens": 8}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(e["text_output"] for e in events) == want
+    assert events[-1]["finish_reason"] == body["finish_reason"]
+
+
+def test_context_inputs_of_a_placed_variant(client, local):
+    """A trained smal's context goes in ``extra_body``; the served text equals the same in process."""
+    ctx = {"self_state": np.full((1, 32), 0.5, np.float32).tolist(), "trace": (np.eye(8, dtype=np.float32) * 0.3)[None].tolist()}
+    want = greedy(local["smal"], PROMPT, 8, context={k: np.asarray(v, np.float32) for k, v in ctx.items()})
+    out = client.completions.create(model="smal", prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"context": ctx})
+    assert out.choices[0].text == want
+    assert want != greedy(local["smal"], PROMPT, 8)  # the context matters to a trained smal
+
+
+@pytest.mark.parametrize("body,param", [({"max_tokens": -1}, "max_tokens"), ({"top_p": 1.5}, "top_p"),
+                                        ({"temperature": -1}, "temperature"), ({"logprobs": 2}, "logprobs"),
+                                        ({"prompt": "the " * 80}, "prompt"), ({"n": 50}, "n"),
+                                        ({"stop": 3}, "stop"), ({"context": {"nope": [1]}}, "context")])
+def test_bad_parameters_are_one_line_400s(http, body, param):
+    r = http.post("/v1/completions", json={"model": "llm", "prompt": PROMPT, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "\n" not in err["message"]
+    triton = {"text_input": body.get("prompt", PROMPT), **{k: v for k, v in body.items() if k != "prompt"}}
+    if param in ("max_tokens", "top_p", "prompt"):
+        r = http.post("/v2/models/llm/generate", json=triton)
+        assert r.status_code == 400 and "\n" not in r.json()["error"]
+    assert http.post("/v1/completions", json={"model": "llm", "prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_model_and_bad_bodies(http):
+    assert http.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert http.post("/v2/models/nope/generate", json={"text_input": "x"}).status_code == 404
+    assert http.post("/v1/completions", content=b"{not json").status_code == 400
+    assert http.post("/v2/models/llm/generate", json={"max_tokens": 3}).status_code == 400
+    models = http.get("/v1/models").json()["data"]
+    assert {"llm", "smal"} <= {m["id"] for m in models}
+
+
+def test_concurrent_streams_share_steps_and_keep_their_tokens(server, client, local):
+    prompts = ["the cat", "a dog ran", "hi there", "one two", "the mat", "we sat", "a b c", "on the"]
+    want = [greedy(local["llm"], p, 16, stop=None) for p in prompts]
+    got = [None] * len(prompts)
+    scheduler = server.generators["llm"].scheduler
+    before = scheduler.stats.max_rows
+
+    def one(i):
+        chunks = client.completions.create(model="llm", prompt=prompts[i], max_tokens=16, temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+    assert scheduler.stats.max_rows > max(1, before) or scheduler.stats.max_rows > 1
+
+
+def test_a_client_that_disconnects_frees_its_row(server):
+    scheduler = server.generators["llm"].scheduler
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"model": "llm", "prompt": PROMPT, "max_tokens": 60,
+                                                        "temperature": 0, "stream": True,
+                                                        "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            tokens_before = scheduler.stats.tokens
+    deadline = time.monotonic() + 10
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.running == 0
+    assert scheduler.stats.tokens - tokens_before < 55  # it stopped well before its 60 tokens
