@@ -73,7 +73,7 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     updated. An existing conversion of the same source (sha256 recorded in
     ``attnx.fp16_source_sha256``) is reused."""
     from attnx.export.exporter import save_model
-    from attnx.export.fp16 import to_fp16
+    from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 
     src = Path(path)
     info, proto = read_model_info(src)
@@ -83,7 +83,8 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     source_sha = sha256_file(src)
     if dst.is_file() and _same_fp16(dst, src, info, source_sha):
         return dst, False
-    converted = to_fp16(load_onnx(src, with_data=True))
+    keep = FP32_OPS_WITH_CACHE if info is not None and info.cache else FP32_OPS
+    converted = to_fp16(load_onnx(src, with_data=True), keep)
     if info is not None:
         _fp16_info(info, converted, src, dst, source_sha).write(converted)
     save_model(converted, dst)

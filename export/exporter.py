@@ -34,7 +34,7 @@ from attnx.export import fuse as fusions
 from attnx.export import ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
 from attnx.export.checkpoint import load_checkpoint, save_checkpoint
-from attnx.export.fp16 import to_fp16
+from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 from attnx.models.attention import attention_path
 from attnx.models.build import build_encoder
 from attnx.models.signature import example_tensor
@@ -337,7 +337,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     proto = _optimise(proto, fuse=fuse)
     _name_dynamic_dims(proto, {s.name: s.shape for s in [*inputs, *outputs]})
     if fp16:
-        proto = to_fp16(proto)
+        proto = to_fp16(proto, FP32_OPS_WITH_CACHE if hasattr(model, "cache_metadata") else FP32_OPS)
     proto.ir_version = min(proto.ir_version, IR_VERSION) if proto.ir_version else IR_VERSION
     proto.producer_name, proto.producer_version = "attnx", attnx.__version__
 

@@ -16,6 +16,10 @@ import onnx_graphsurgeon as gs
 # Softmax lives inside Attention; reductions accumulate; LayerNorm normalises.
 FP32_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "Attention", "ReduceSum", "ReduceMean",
                       "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceLogSumExp", "ReduceSumSquare"})
+#: A decoder with its KV cache keeps its attention in fp16 (TensorRT's fused attention accumulates its softmax
+#: in fp32 itself): kept in fp32, TensorRT-RTX 1.7's Myelin cannot fuse an attention whose k/v are also graph
+#: outputs (``present.*``) and refuses the build ("Fusing attention ops must leave the graph in a well-formed state").
+FP32_OPS_WITH_CACHE = FP32_OPS - {"Attention"}
 _FP16_MAX = float(np.finfo(np.float16).max)
 
 

@@ -101,3 +101,46 @@ def test_build_engine_on_a_with_past_export(root, tmp_path):
     proc = attnx("check", str(path), "--engine", str(engine), cwd=tmp_path)
     assert proc.returncode in (0, 3), proc.stdout + proc.stderr
     assert "PASS" in proc.stdout or "engine not run here" in proc.stdout
+
+
+def test_the_fp16_file_of_a_with_past_export_agrees_with_fp32_on_a_cached_step(root, tmp_path):
+    """The fp16 conversion `attnx build-engine --fp16` makes of a decoder with its cache (attention in fp16 there:
+    TensorRT-RTX 1.7 cannot fuse an fp32 attention whose k/v are also graph outputs) computes what the fp32 file
+    does on a left-padded cached step, to fp16's precision (ONNX Runtime)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from attnx.engine.fp16 import ensure_fp16
+
+    path = gf.export(root, gf.folder(root, "llama"), "mha")
+    half, _ = ensure_fp16(path, tmp_path / "model-fp16.onnx")
+    s32, s16 = ort.InferenceSession(str(path)), ort.InferenceSession(str(half))
+    rng = np.random.default_rng(0)
+    batch, past, new = 2, 5, 3
+    feeds = {"input_ids": rng.integers(3, 100, (batch, new)), "attention_mask": np.ones((batch, past + new), np.int64),
+             "position_ids": np.tile(np.arange(past, past + new), (batch, 1))}
+    feeds["attention_mask"][1, :2] = 0  # row 1 left-padded by two slots
+    feeds["position_ids"][1] -= 2
+    for i in s32.get_inputs():
+        if i.name.startswith("past_key_values."):
+            feeds[i.name] = rng.standard_normal((batch, i.shape[1], past, i.shape[3])).astype(np.float32)
+    want = s32.run(None, feeds)
+    got = s16.run(None, {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in feeds.items()})
+    assert [i.type for i in s16.get_inputs() if i.name.startswith("past_")][0] == "tensor(float16)"
+    for out, a, b in zip(s32.get_outputs(), want, got):
+        err = float(np.abs(a - b.astype(np.float32)).max())
+        assert err <= 2e-2 * max(1.0, float(np.abs(a).max())), (out.name, err)
+
+
+@pytest.mark.rtx
+def test_build_engine_fp16_on_a_with_past_export(root, tmp_path):
+    pytest.importorskip("tensorrt_rtx_bindings")
+    from attnx.engine.fp16 import ensure_fp16
+
+    half, _ = ensure_fp16(gf.export(root, gf.folder(root, "llama"), "smal"), tmp_path / "model-fp16.onnx")
+    engine = tmp_path / "llama16.engine"
+    proc = attnx("build-engine", str(half), "-o", str(engine))
+    assert proc.returncode == 0, proc.stderr
+    sidecar = json.loads(engine.with_name(engine.name + ".json").read_text())
+    assert sidecar["profiles"]["past"][0] == 1 and {b["dtype"] for b in sidecar["inputs"]
+                                                      if b["name"].startswith("past_key_values.")} == {"float16"}
