@@ -46,6 +46,9 @@ BYTES = "BYTES"
 UNSUPPORTED_DATATYPES = {"BF16"}
 #: The name of the text input of a model with a tokenizer.
 TEXT_INPUT = "text"
+#: Optional second text of each row (a cross-encoder's document beside its query): BYTES ``[N]`` like ``text``,
+#: tokenised as pairs in the tokenizer's own pair template.
+TEXT_PAIR_INPUT = "text_pair"
 
 
 def triton_dtype(dtype: np.dtype) -> str:
@@ -142,6 +145,8 @@ class TextInput:
     name: str
     max_length: int | None
     truncation_side: str
+    #: the model scores text pairs (a cross-encoder or classifier): it takes ``text_pair`` beside ``text``
+    pairs: bool = False
 
 
 @dataclass
@@ -184,6 +189,8 @@ class InferRequest:
     binary_default: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
     texts: list[str] | None = None
+    #: With ``texts``: each row's second text (``text_pair``), tokenised with it as a pair.
+    pairs: list[str] | None = None
 
     @property
     def timeout_ms(self) -> float | None:
@@ -320,7 +327,7 @@ def split_bytes(raw, count: int, name: str) -> list[bytes]:
 
 
 def _decode_texts(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[str]:
-    """The strings of a text input, checked: shape ``[N]``, UTF-8, not empty."""
+    """The strings of a text input (``text`` or ``text_pair``), checked: shape ``[N]``, UTF-8, not empty."""
     text = sig.text
     assert text is not None
     shape = t.shape
@@ -372,6 +379,7 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
         raise BadRequest("'inputs' must be a non-empty list")
     feeds: dict[str, np.ndarray] = {}
     texts: list[str] | None = None
+    pairs: list[str] | None = None
     total_elements = 0
     for t in tensors:
         if not isinstance(t.name, str):
@@ -388,6 +396,16 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
             if t.datatype != BYTES:
                 raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the text input takes BYTES")
             texts = _decode_texts(t, sig, limits)
+            continue
+        if sig.text is not None and t.name == TEXT_PAIR_INPUT and sig.input(t.name) is None:
+            if not sig.text.pairs:
+                raise BadRequest(f"input {t.name!r}: model {sig.name!r} does not score text pairs (an export of a "
+                                 "sequence-classification model, such as a cross-encoder, does)")
+            if pairs is not None:
+                raise BadRequest(f"input {t.name!r} given twice")
+            if t.datatype != BYTES:
+                raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the text input takes BYTES")
+            pairs = _decode_texts(t, sig, limits)
             continue
         spec = sig.input(t.name)
         if t.datatype == BYTES:
@@ -421,6 +439,10 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
             raise BadRequest(f"input {t.name!r}: no 'data' and no binary_data_size")
         _check_values(spec, arr)
         feeds[t.name] = arr
+    if pairs is not None and (texts is None or len(pairs) != len(texts)):
+        raise BadRequest(f"input {TEXT_PAIR_INPUT!r} holds each row's second text: it needs "
+                         + (f"{len(texts)} strings, one per text" if texts is not None else
+                            f"the text input {sig.text.name!r} beside it"))
     if texts is not None:
         mixed = sorted(sig.text_filled & set(feeds))
         if mixed:
@@ -433,11 +455,12 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
         raise BadRequest(f"missing input(s) {missing} for model {sig.name!r}")
     _check_agreeing_dims(sig, feeds)
     outputs, binary = _parse_requested_outputs(requested, sig, binary_default)
-    return InferRequest(request_id, feeds, outputs, binary, binary_default, params, texts)
+    return InferRequest(request_id, feeds, outputs, binary, binary_default, params, texts, pairs)
 
 
 def _input_names(sig: ModelSignature) -> list[str]:
-    return ([sig.text.name] if sig.text is not None else []) + [s.name for s in sig.inputs]
+    texts = [] if sig.text is None else [sig.text.name, TEXT_PAIR_INPUT] if sig.text.pairs else [sig.text.name]
+    return texts + [s.name for s in sig.inputs]
 
 
 def _check_agreeing_dims(sig: ModelSignature, feeds: dict[str, np.ndarray]) -> None:

@@ -40,6 +40,13 @@ class ServedModel:
     tokenizer: TextTokenizer | None = None
 
     @functools.cached_property
+    def scores_pairs(self) -> bool:
+        """A text classifier (a cross-encoder among them): KServe requests may give ``text_pair`` beside ``text``."""
+        from attnx.runtime.scoring import labels_of
+
+        return labels_of(self) is not None
+
+    @functools.cached_property
     def signature(self) -> proto.ModelSignature:
         profiles = self.session.profiles or {}
         seq_profile = profiles.get("seq")
@@ -48,7 +55,8 @@ class ServedModel:
         profile_max = seq_profile[-1] if isinstance(seq_profile, list) and seq_profile else None
         text = None
         if self.tokenizer is not None:
-            text = proto.TextInput(proto.TEXT_INPUT, self.tokenizer.max_length, self.tokenizer.truncation_side)
+            text = proto.TextInput(proto.TEXT_INPUT, self.tokenizer.max_length, self.tokenizer.truncation_side,
+                                   pairs=self.scores_pairs)
         return proto.ModelSignature(
             self.name,
             self.session.inputs,
@@ -69,8 +77,11 @@ class ServedModel:
         inputs = [tensor(s) for s in self.session.inputs]
         out: dict[str, Any] = {"name": self.name, "versions": [self.version], "platform": self.session.platform}
         if self.tokenizer is not None:
-            inputs.insert(0, {"name": proto.TEXT_INPUT, "datatype": proto.BYTES, "shape": [-1]})
+            texts = [proto.TEXT_INPUT, proto.TEXT_PAIR_INPUT] if self.scores_pairs else [proto.TEXT_INPUT]
+            inputs[:0] = [{"name": name, "datatype": proto.BYTES, "shape": [-1]} for name in texts]
             out["parameters"] = {"text_input": proto.TEXT_INPUT, **self.tokenizer.describe()}
+            if self.scores_pairs:
+                out["parameters"]["text_pair_input"] = proto.TEXT_PAIR_INPUT
         defaults = {s.name: s.default for s in self.session.inputs if s.default is not None}
         if defaults:  # inputs a request may leave out, and what they are then (the metadata's word)
             out.setdefault("parameters", {})["input_defaults"] = defaults
@@ -132,9 +143,13 @@ async def infer(model: ServedModel, request: proto.InferRequest) -> dict[str, np
     if request.texts is None:
         return await _submit_all(model, [request.feeds], request.outputs, request.timeout_ms, per_row=False)
     texts = request.texts
-    tokenize = functools.partial(model.tokenizer.tokenize, texts, truncate=request.truncate)
+    if request.pairs is not None:  # (text, text_pair) rows: a cross-encoder's (query, document)
+        tokenize = functools.partial(model.tokenizer.tokenize_pairs, list(zip(texts, request.pairs)),
+                                     truncate=request.truncate)
+    else:
+        tokenize = functools.partial(model.tokenizer.tokenize, texts, truncate=request.truncate)
     try:
-        if sum(len(t) for t in texts) > _OFFLOAD_CHARS:
+        if sum(len(t) for t in texts) + sum(len(t) for t in request.pairs or ()) > _OFFLOAD_CHARS:
             encoded = await asyncio.to_thread(tokenize)
         else:
             encoded = tokenize()

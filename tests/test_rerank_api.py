@@ -236,3 +236,44 @@ def test_odd_bodies_are_one_line_4xx_on_every_scoring_route(http, path):
         message = payload["message"] if isinstance(payload, dict) else payload
         assert message and "\n" not in message, (path, body, message)
     assert http.post("/rerank", json={"model": "ce", "query": QUERY, "texts": DOCS}).status_code == 200
+
+
+def test_kserve_text_pairs_over_http_and_grpc_equal_transformers(models, hf):
+    """Triton's clients score (query, document) pairs with ``text`` and ``text_pair`` BYTES inputs, over HTTP and
+    gRPC: the logits are transformers' own on the same pairs; a model that scores no pairs refuses the input."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    docs = [d for d in DOCS if d]
+    queries = np.array([QUERY.encode()] * len(docs), dtype=object)
+    documents = np.array([d.encode() for d in docs], dtype=object)
+    want = hf.logits([(QUERY, d) for d in docs])
+    with running_server({"ce": models["ce"]}, grpc_port=0) as server:
+        got = {}
+        for kind, lib, address in (("http", httpclient, server.address), ("grpc", grpcclient, server.grpc_address)):
+            client = lib.InferenceServerClient(address)
+            try:
+                meta = client.get_model_metadata("ce", as_json=True) if kind == "grpc" else client.get_model_metadata("ce")
+                assert [i["name"] for i in meta["inputs"][:2]] == ["text", "text_pair"]
+                inputs = [lib.InferInput("text", [len(docs)], "BYTES"), lib.InferInput("text_pair", [len(docs)], "BYTES")]
+                inputs[0].set_data_from_numpy(queries)
+                inputs[1].set_data_from_numpy(documents)
+                got[kind] = client.infer("ce", inputs).as_numpy("logits")
+                with pytest.raises(Exception, match="one per text"):
+                    short = lib.InferInput("text_pair", [len(docs) - 1], "BYTES")
+                    short.set_data_from_numpy(documents[:-1])
+                    client.infer("ce", [inputs[0], short])
+            finally:
+                client.close()
+    for kind, logits in got.items():
+        np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5, err_msg=kind)
+
+
+def test_a_model_that_scores_no_pairs_refuses_text_pair():
+    from attnx.runtime import protocol as proto
+
+    sig = proto.ModelSignature("emb", [], [], 8, None, proto.TextInput("text", 32, "right", pairs=False))
+    tensors = [proto.WireTensor("text", "BYTES", [1], {}, data=["a"]),
+               proto.WireTensor("text_pair", "BYTES", [1], {}, data=["b"])]
+    with pytest.raises(proto.BadRequest, match="does not score text pairs"):
+        proto.build_infer_request(None, {}, tensors, None, sig, proto.Limits())
