@@ -56,14 +56,19 @@ class TextModel:
     """A text model, loaded once: :meth:`encode` (embeddings), :meth:`logits` (causal LMs), :meth:`tokenize`.
 
     ``session`` may be an already-loaded :class:`~attnx.runtime.session.Session` in place of ``path``.
-    Thread-safe (the session and the tokenizer are)."""
+    Thread-safe (the session and the tokenizer are).
+
+    ``spin``: ONNX Runtime's pool threads busy-wait for the next op of a call, ONNX Runtime's own default (and
+    fastembed's and sentence-transformers'): one short text is ~20% faster on a quiet machine
+    (benchmarks/bench_peers.py). Pass False where the process shares its cores with other busy work (on a
+    loaded 2-core machine spinning was 1.2-1.9x slower); ``attnx serve`` keeps it off for its front end."""
 
     def __init__(self, path: str | os.PathLike | Session, *, tokenizer: str | os.PathLike | None = None,
-                 device: str = "auto", threads: int | None = None, axes=None):
+                 device: str = "auto", threads: int | None = None, axes=None, spin: bool = True):
         if isinstance(path, Session):
             self.session = path
         else:
-            self.session = load(find_model_file(path), device=device, threads=threads, axes=axes)
+            self.session = load(find_model_file(path), device=device, threads=threads, axes=axes, spin=spin)
         if tokenizer is None:
             from attnx.runtime.decoding import source_info  # an engine: its ONNX's metadata names the tokenizer
 

@@ -14,9 +14,6 @@ from attnx.export import export_variant
 from attnx.export.exporter import example_inputs
 from attnx.models import VARIANTS, get_spec, reference
 
-#: (variant, op) for every custom op a variant's plugin lowering emits, from the registry.
-
-
 def _inner_ops(variant: str) -> set[str]:
     """Ops a variant's coarser op uses in its TensorRT form (smal's distance): not nodes of its export."""
     return {n.op_type for op in get_spec(variant).custom_ops if op.engine_function is not None
@@ -126,7 +123,6 @@ def test_plugin_lowering_has_custom_nodes_with_bodies(exported, variant, op):
     assert {(f.domain, f.name) for f in model.functions} == {(DOMAIN, op)} | tensorrt
     assert any(o.domain == DOMAIN and o.version == 1 for o in model.opset_import)
     onnx.checker.check_model(model, full_check=True)
-
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
