@@ -42,9 +42,6 @@ class CacheEntry:
         """The axis that grows by the new tokens each step (None: a carried summary)."""
         return self.shape.index(PAST) if PAST in self.shape else None
 
-    def present_shape(self) -> tuple:
-        return tuple(TOTAL if d == PAST else d for d in self.shape)
-
     def empty(self, batch: int, dtype=torch.float32, device=None) -> torch.Tensor:
         """The value before any token: zero cached positions, or a zero summary."""
         dims = [batch if d == "batch" else 0 if d == PAST else int(d) for d in self.shape]
