@@ -82,6 +82,12 @@ _DEFAULT_INPUT_ROLES = {name: name for name in (Role.HIDDEN_STATES, Role.INPUT_I
 MAIN_OUTPUTS = ("output", "last_hidden_state", "sentence_embedding", "logits")
 
 
+def pretrained_task(config: dict) -> str:
+    """The task of a ``--from-pretrained`` export's ``attnx.config``: its ``task``. attnx 0.1 files name only
+    their hand-built host (``bert``: embeddings, ``gpt2``: a causal LM)."""
+    return config.get("task") or ("causal-lm" if config.get("host") == "gpt2" else "feature-extraction")
+
+
 def default_role(name: str, is_input: bool) -> str:
     """The role of a tensor that metadata does not describe (any ONNX file; Optimum's and
     onnxruntime-genai's cache names included)."""

@@ -25,13 +25,10 @@ import json
 import shutil
 from pathlib import Path
 
-#: transformers ``model_type`` -> onnxruntime-genai's ``model.type`` (0.18: what its library names). Its
-#: ``gpt2`` type means the legacy layout (one ``past_%d`` tensor holding k and v): a GPT-2 with separate k/v
-#: is its generic ``decoder`` (measured: "Model input was not found" with ``gpt2``, the same tokens as
-#: transformers with ``decoder``).
-_TYPES = {"gpt2": "decoder", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-          "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text",
-          "granite": "granite", "olmo": "olmo", "smollm3": "smollm3"}
+#: onnxruntime-genai's ``model.type``: its generic decoder for every family. The graph holds everything a family
+#: does (positions, scaling, masks), so genai's per-family types add nothing (measured: a Llama gives the same
+#: greedy tokens as ``decoder`` and as ``llama``); its ``gpt2`` type would even expect the legacy ``past_%d`` layout.
+GENAI_TYPE = "decoder"
 CONFIG_NAME = "genai_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -58,7 +55,6 @@ def genai_config(info, onnx_name: str, hf_config: dict) -> dict:
     """The config onnxruntime-genai reads, from an export's metadata and its source's ``config.json``."""
     cache = info.cache or {}
     text = hf_config.get("text_config") or hf_config
-    model_type = str(text.get("model_type") or hf_config.get("model_type") or "")
     keys = [e for e in cache.get("entries", []) if e["name"] == "key" and e["layer"] < cache.get("host_layers", 0)]
     if not keys:
         raise ValueError("not a with-past export: no past_key_values.{i}.key inputs in its attnx.cache metadata")
@@ -75,7 +71,7 @@ def genai_config(info, onnx_name: str, hf_config: dict) -> dict:
     context_length = int(cache.get("max_positions") or text.get("max_position_embeddings") or 2048)
     config = {
         "model": {
-            "type": _TYPES.get(model_type, "decoder"),
+            "type": GENAI_TYPE,
             "bos_token_id": cache.get("bos_token_id") if cache.get("bos_token_id") is not None else (eos[0] if eos else 0),
             "eos_token_id": eos if len(eos) != 1 else eos[0],
             "pad_token_id": int(pad) if pad is not None else (eos[0] if eos else 0),

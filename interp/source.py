@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from attnx.contract import ContractError, ModelInfo, Role, TensorEntry, contained
+from attnx.contract import ContractError, ModelInfo, Role, TensorEntry, contained, pretrained_task
 
 #: Output names of the per-layer attention patterns (``attnx export --attention-outputs``).
 ATTENTION_OUTPUT = re.compile(r"^attentions\.(\d+)$")
@@ -118,7 +118,7 @@ def model_facts(info: ModelInfo, name: str) -> ModelFacts:
         n_layers = int(hf.get("num_hidden_layers", hf.get("n_layer", 0))) + int((cfg.get("placement") or {})
                                                                                  .get("append", 0))
         n_heads = int(hf.get("num_attention_heads", hf.get("n_head", 0)))
-        is_causal = cfg.get("host") == "gpt2"
+        is_causal = pretrained_task(cfg) == "causal-lm"
     else:
         attention = cfg.get("attention") or {}
         n_layers = int((cfg.get("encoder") or {}).get("n_layers", 0))
@@ -173,7 +173,9 @@ class TextEncoder:
             raise ContractError(f"cannot read the tokenizer: {str(e).splitlines()[0][:120]}") from None
         self.max_length = int(settings.get("max_length") or 512)
         self.pad_id = int(settings.get("pad_id") or 0)
-        self.model_type = str(settings.get("model_type") or "")
+        # Byte-level BPE (GPT-2, Llama 3, Qwen...): tokens read "Ġcat"; each is shown decoded (" cat").
+        decoder = json.loads(tokenizer_json).get("decoder") or {}
+        self.byte_level = "ByteLevel" in {decoder.get("type"), *(d.get("type") for d in decoder.get("decoders") or [])}
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.max_length, direction=str(settings.get("truncation_side") or "right"))
         self.input_names = list(input_names)
@@ -185,7 +187,7 @@ class TextEncoder:
         return cls(path.read_text(encoding="utf-8"), settings, input_names)
 
     def _display(self, enc) -> list[str]:
-        if self.model_type == "gpt2":  # byte-level BPE: decode each id, so "Ġcat" shows as " cat"
+        if self.byte_level:
             return [self.tokenizer.decode([i], skip_special_tokens=False) for i in enc.ids]
         return list(enc.tokens)
 

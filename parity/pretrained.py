@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from attnx.contract import SEQ, ModelInfo, sha256_file
+from attnx.contract import SEQ, ModelInfo, pretrained_task, sha256_file
 from attnx.parity.cases import ParityError
 from attnx.parity.original import OriginalRunner, plan_original
 from attnx.parity.runners import MARGIN_PREFIX, REFERENCE, TorchReferenceRunner, onnxrt_runner
@@ -102,8 +102,7 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
     texts_by_ids: dict[bytes, list[str]] = {}
     if plan.used:
         runners.append(OriginalRunner(plan.source, info.inputs, lambda ids: texts_by_ids[_key(ids)], name=ORIGINAL,
-                                      task=info.config.get("task", "causal-lm" if info.config.get("host") == "gpt2"
-                                                           else "feature-extraction")))
+                                      task=pretrained_task(info.config)))
         runner_info.append({"name": ORIGINAL, "kind": plan.library, "path": plan.source})
     runners.append(onnxrt_runner(model_path, ort_name))
     runner_info.append({"name": ort_name, "kind": "onnxruntime", "path": str(model_path), "given": True})

@@ -14,6 +14,7 @@ import re
 
 import torch
 
+from attnx.contract import pretrained_task
 from attnx.pretrained import placing
 from attnx.pretrained.folder import SentenceTransformerInfo
 from attnx.pretrained.host import Host, build_model
@@ -38,8 +39,7 @@ def host_from_legacy(config: dict) -> Host:
     hf = build_model(hf_config, LEGACY_HOSTS[kind])
     placing.place(hf, placement)
     st = config.get("sentence_transformers")
-    task = "causal-lm" if kind == "gpt2" else "feature-extraction"
-    return Host(hf, task, SentenceTransformerInfo(**st) if st else None, config.get("source")).eval()
+    return Host(hf, pretrained_task(config), SentenceTransformerInfo(**st) if st else None, config.get("source")).eval()
 
 
 def load_legacy(host: Host, state: dict[str, torch.Tensor], kind: str) -> None:

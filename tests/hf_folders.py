@@ -188,3 +188,15 @@ def _post_processor(tok, fam: Family, ids: dict, encoder: bool) -> None:
     else:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", ids["<s>"])])
+
+
+def lazy_folders(root: Path):
+    """``get(name) -> Path``: the family's folder under ``root``, made on first use (a module fixture's value)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_folder(name, root)
+        return made[name]
+
+    return get

@@ -56,15 +56,7 @@ def toy_and_matrix(toy_registered):
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = hf_folders.make_folder(name, root)
-        return cache[name]
-
-    return get
+    return hf_folders.lazy_folders(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")

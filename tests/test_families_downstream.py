@@ -118,6 +118,13 @@ def test_explain_runs_on_the_folder_and_the_export_with_hook_names(family, folde
     assert sorted(table.ranking) == list(range(n_heads)) and table.patching
     result = export_pretrained(folder, tmp_path / f"{family}-explain.onnx", attention_outputs="all", head_mask=True)
     deployed = open_source(result.path)
+    # A decoder's analysis counts only the keys causality allows (the chance level), read from the task;
+    # byte-level BPE tokens (both folders' tokenizers) are shown decoded (" cat"), not as stored ("Ġcat").
+    causal = family == "qwen3"
+    assert torch_source.facts.is_causal == causal and deployed.facts.is_causal == causal
+    assert hf_folders.FAMILIES[family].tokenizer == "bpe"
+    shown = [t for ts in deployed.require_text().encode(texts).tokens for t in ts]
+    assert " cat" in shown and not any("\u0120" in t for t in shown)
     on_file = explain(deployed, texts)
     for i in range(n_layers):  # the deployed file's patterns are the torch model's
         assert np.abs(on_file.patterns[i] - report.patterns[i]).max() <= 1e-5

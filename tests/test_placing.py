@@ -41,15 +41,7 @@ pytestmark = pytest.mark.usefixtures("toy_registered")
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("placing")
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = hf_folders.make_folder(name, root)
-        return cache[name]
-
-    return get
+    return hf_folders.lazy_folders(tmp_path_factory.mktemp("placing"))
 
 
 def batch(host, left: bool = False, seed: int = 0):
