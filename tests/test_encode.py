@@ -166,3 +166,20 @@ def test_length_runs_give_the_padded_batchs_numbers(model, monkeypatch):
     runs = model.encode(texts, batch_size=32)
     monkeypatch.setattr(encode_module, "length_chunks", lambda o, lengths, b: [o[i:i + b] for i in range(0, len(o), b)])
     np.testing.assert_allclose(model.encode(texts, batch_size=32), runs, atol=1e-6)
+
+
+def test_text_model_spins_by_default_and_a_served_session_does_not(model, minilm):
+    """In process, ONNX Runtime's pool threads spin between ops (its own default, the peers'; one short text
+    ~20% faster, benchmarks/bench_peers.py); `load()`, which `attnx serve` uses, keeps them idle; both can be
+    changed, and the session options say what ONNX Runtime was given."""
+    def spinning(session) -> bool:  # an unset entry is ONNX Runtime's default: spinning
+        so = session.options.session_options()
+        try:
+            return so.get_session_config_entry("session.intra_op.allow_spinning") != "0"
+        except RuntimeError:
+            return True
+
+    assert model.session.options.spin and spinning(model.session)
+    served = load(minilm, device="cpu")
+    assert not served.options.spin and not spinning(served)
+    assert not TextModel(minilm, device="cpu", spin=False).session.options.spin
