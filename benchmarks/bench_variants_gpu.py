@@ -6,7 +6,8 @@ For each sequence length and dtype, every variant's forward is timed in interlea
 thermal drift hit every variant alike; "x mha" is the variant's median over mha's. Peak memory
 is ``torch.cuda.max_memory_allocated`` during one forward, minus what was allocated before it
 (weights and inputs): the forward's own working memory. An out-of-memory forward is reported as
-OOM, not as a crash.
+OOM, not as a crash. With a folder (``--pretrained``, ``--family``) the first row, ``transformers``,
+is the folder as transformers itself runs it (its SDPA attention, nothing placed).
 
 Defaults: CUDA, fp16 and bf16, d_model 768, 12 heads, batch 1, L = 512 ... 8192. On a machine
 without a GPU it runs on the CPU (float32, and meant for tiny sizes: a smoke test), e.g.
@@ -19,6 +20,10 @@ plain model (``mha``).
 
 Run: ``python benchmarks/bench_variants_gpu.py [--quick] [--lengths ...] [--variants ...] [--json out.json]``
 or ``python benchmarks/bench_variants_gpu.py --pretrained DIR --batch 32 --lengths 128 256 512``.
+
+``--family llama|qwen2|modernbert`` does the same on a random-weight folder of that family at a
+published model's shape (SmolLM-135M, Qwen2.5-0.5B, ModernBERT-base), saved with transformers'
+``save_pretrained`` into a temporary folder: the hosts transformers runs, with nothing downloaded.
 """
 
 from __future__ import annotations
@@ -65,6 +70,34 @@ def _inputs(torch, model, batch: int, seq: int, d_model: int, dtype, device) -> 
             low, high = getattr(spec, "range", None) or (0, 16)
             context[spec.name] = torch.randint(low, high, shape, generator=g).to(device)
     return hidden, mask, context
+
+
+#: Published shapes (config fields only; weights are random): what a user's checkpoint looks like.
+FAMILY_SHAPES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(  # SmolLM-135M
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(  # Qwen2.5-0.5B
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True)),
+    "modernbert": ("ModernBertConfig", "ModernBertModel", dict(  # ModernBERT-base
+        hidden_size=768, intermediate_size=1152, num_hidden_layers=22, num_attention_heads=12,
+        vocab_size=50368, max_position_embeddings=8192, global_attn_every_n_layers=3, local_attention=128,
+        pad_token_id=50283, bos_token_id=50281, eos_token_id=50282, cls_token_id=50281, sep_token_id=50282)),
+}
+
+
+def family_folder(name: str, root: str) -> str:
+    """A random-weight folder of ``name`` at its published shape, saved in fp16 under ``root``."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, fields = FAMILY_SHAPES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).half()
+    folder = f"{root}/{name}"
+    model.save_pretrained(folder)
+    return folder
 
 
 class _Clock:
@@ -126,17 +159,21 @@ def run(args) -> list[dict]:
         print(f"device: {props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     else:
         print(f"device: CPU ({torch.get_num_threads()} threads), torch {torch.__version__}")
-    print(f"variants {', '.join(variants)}; d_model {args.d_model}, {args.heads} heads, 1 layer, batch {args.batch}; "
-          f"{rounds} interleaved rounds")
+    shape = (f"placed in {args.pretrained}" if args.pretrained
+             else f"d_model {args.d_model}, {args.heads} heads, 1 layer")
+    print(f"variants {', '.join(variants)}; {shape}, batch {args.batch}; {rounds} interleaved rounds")
 
     rows: list[dict] = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         models = {}
+        if args.pretrained:  # the folder as transformers runs it (its SDPA attention), beside attnx's mha
+            from attnx import pretrained
+
+            models["transformers"] = pretrained.load(args.pretrained, "mha").to(device=device, dtype=dtype).eval()
+            models["transformers"].hf.set_attn_implementation("sdpa")
         for v in variants:
             if args.pretrained:
-                from attnx import pretrained
-
                 models[v] = pretrained.load(args.pretrained, v).to(device=device, dtype=dtype).eval()
             else:
                 models[v] = build_encoder(v, d_model=args.d_model, n_heads=args.heads, n_layers=1).to(
@@ -178,7 +215,7 @@ def run(args) -> list[dict]:
                     samples[v].append(clock.burst(calls[v], reps[v]))
             ms = {v: statistics.median(s) for v, s in samples.items()}
             base_ms, base_mem = ms.get("mha"), peaks.get("mha")
-            for v in variants:
+            for v in models:
                 row = {"variant": v, "L": L, "dtype": dtype_name, "batch": args.batch, "d_model": args.d_model,
                        "heads": args.heads, "ms": ms.get(v), "peak_MiB": peaks.get(v), "error": failed.get(v)}
                 row["x_mha_ms"] = ms[v] / base_ms if v in ms and base_ms else None
@@ -209,17 +246,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one timed burst")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--pretrained", default=None, help="a Hugging Face folder to place each variant in")
+    parser.add_argument("--family", default=None, choices=sorted(FAMILY_SHAPES),
+                        help="a random folder of this family at a published shape, instead of --pretrained")
     args = parser.parse_args(argv)
     try:
         import torch  # noqa: F401
     except ImportError:
         print("bench_variants_gpu: skipped (PyTorch is not installed)")
         return 0
+    if args.family:
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory()
+        args.pretrained = family_folder(args.family, tmp.name)
+        print(f"{args.family}: random weights at {FAMILY_SHAPES[args.family][1]}'s published shape")
     rows = run(args)
-    print(f"\n  {'variant':10s} {'L':>6s} {'dtype':9s} {'ms':>10s} {'x mha':>7s} {'peak MiB':>10s} {'x mha':>7s}")
+    print(f"\n  {'variant':12s} {'L':>6s} {'dtype':9s} {'ms':>10s} {'x mha':>7s} {'peak MiB':>10s} {'x mha':>7s}")
     for r in rows:
         ms = r["error"] or _fmt(r["ms"], ".3f")
-        print(f"  {r['variant']:10s} {r['L']:6d} {r['dtype']:9s} {ms:>10s} {_fmt(r['x_mha_ms'], '.2f'):>7s} "
+        print(f"  {r['variant']:12s} {r['L']:6d} {r['dtype']:9s} {ms:>10s} {_fmt(r['x_mha_ms'], '.2f'):>7s} "
               f"{_fmt(r['peak_MiB'], '.1f'):>10s} {_fmt(r['x_mha_mem'], '.2f'):>7s}")
     if args.json:
         with open(args.json, "w") as f:

@@ -202,22 +202,33 @@ class SelfModulatedAttention(AttentionBase):
         eye = torch.eye(self.head_dim, dtype=q.dtype, device=q.device)
         M = T_sym if tta else eye * self.scale + gb * T_sym  # [B, 1|H, Dh, Dh]
         if key_term is not None:
-            # Cached: the per-key bias from the cache (no pass over every key's k T), as a [B, H, Lq, Lk]
-            # mask, which is [B, H, 1, Lk] when decoding (no copy of the whole cache into wider q/k/v).
-            key_bias = (-key_term if tta else -gb.view(b, 1, 1) * key_term)[:, :, None, :]
-            return self.attend_fused(q @ M, k, v, mask, extra_bias=key_bias, scale=1.0)
+            # Cached: the per-key bias from the cache (no pass over every key's k T). An exported file and
+            # a decoding step (one query) add it as a [B, H, Lq, Lk] mask: no copy of the whole cache
+            # into wider q/k/v; an eager prefill folds it (no [B, H, Lq, Lk] tensor for a long prompt).
+            key_bias = (-key_term if tta else -gb.view(b, 1, 1) * key_term)[..., None]  # [B, H, Lk, 1]
+            if torch.compiler.is_exporting() or q.shape[2] == 1:
+                return self.attend_fused(q @ M, k, v, mask, extra_bias=key_bias.transpose(-1, -2), scale=1.0)
+            return self._folded(q @ M, k, v, key_bias, mask, False)
         kTk = ((k @ T) * k).sum(-1, keepdim=True)  # [B, H, Lk, 1]
         key_bias = -kTk if tta else -gb * kTk
-        if torch.compiler.is_exporting():
-            # ONNX Runtime's Attention takes no broadcast per-key bias: fold it into one more q/k
-            # column, [q M, 1] . [k, bias] = q M k^T + bias; V gets a zero column too (TensorRT's
-            # attention wants equal head sizes), dropped from the result.
-            q_aug = torch.cat([q @ M, torch.ones_like(q[..., :1])], dim=-1)
-            k_aug = torch.cat([k, key_bias], dim=-1)
-            v_aug = torch.cat([v, torch.zeros_like(v[..., :1])], dim=-1)
-            return self.attend_fused(q_aug, k_aug, v_aug, mask, scale=1.0)[..., :-1]
-        # the per-key bias stays [B, H, 1, Lk], broadcast inside SDPA
+        exporting = torch.compiler.is_exporting()
+        if exporting or (mask.bias is not None and mask.bias.shape[-2] > 1):
+            return self._folded(q @ M, k, v, key_bias, mask, exporting)
+        # a key-padding mask [B, 1, 1, Lk] plus the per-key bias stays [B, H, 1, Lk], broadcast inside SDPA
         return self.attend_fused(q @ M, k, v, mask, extra_bias=key_bias.transpose(-1, -2), scale=1.0)
+
+    def _folded(self, q_m: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, mask: Mask, exporting: bool) -> Tensor:
+        """softmax(q_m k^T + key_bias^T + mask) v with the per-key bias ``[B, H, Lk, 1]`` folded into one
+        more q/k column, [q M, 1] . [k, bias] = q M k^T + bias: ONNX Runtime's Attention takes no
+        broadcast per-key bias, and in PyTorch a per-query mask (causal, windowed: [B, 1, Lq, Lk]) plus
+        it would be a [B, H, Lq, Lk] tensor. V gets zero columns too (TensorRT's attention and SDPA's
+        fused kernels want equal head sizes), dropped from the result; in PyTorch the widths are padded
+        to a multiple of 8 so SDPA keeps its fused kernels."""
+        extra = 1 if exporting else 8 - self.head_dim % 8
+        q_aug = F.pad(torch.cat([q_m, torch.ones_like(q_m[..., :1])], dim=-1), (0, extra - 1))
+        k_aug = F.pad(torch.cat([k, key_bias], dim=-1), (0, extra - 1))
+        v_aug = F.pad(v, (0, extra))
+        return self.attend_fused(q_aug, k_aug, v_aug, mask, scale=1.0)[..., :self.head_dim]
 
 
 def _neutral(attn: SelfModulatedAttention) -> None:

@@ -40,6 +40,8 @@ class Call:
     layer_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> the layer's input
     #: a decoder's cached forward (attnx.pretrained.cached.CachedState): each layer's variant state beside k/v
     cache: object | None = None
+    #: the additive bias of the boolean mask transformers passes every layer: (that mask, dtype, bias)
+    bias: tuple | None = None
 
     opened: contextvars.Token | None = None  # set on a Call a model's first layer opened (open_forward)
 
@@ -148,7 +150,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
             # No row-validity product: a fully masked row (a left-padded query) gets the uniform average
             # of the finite-minimum bias, exactly as transformers' eager attention gives it (and no pass
             # over the output for rows nobody reads).
-            bias, row_valid = bias_from_allowed(attention_mask, query.dtype)[0], None
+            row_valid = None
+            if call.bias is None or call.bias[0] is not attention_mask or call.bias[1] != query.dtype:
+                # one conversion per forward: the family builds the mask once and hands it to every layer
+                call.bias = (attention_mask, query.dtype, bias_from_allowed(attention_mask, query.dtype)[0])
+            bias = call.bias[2]
             if call.tokens is None and lq == lk:
                 # the real tokens are the keys some query attends to (padding, causal or windowed masks alike)
                 call.tokens = attention_mask.any(dim=-2)[:, 0]
