@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks docs/gpu.md reports, as one command for a lent GPU machine (no TensorRT there, no
 # network): the kernels' tests, compute-sanitizer, TtaDistance against cuBLAS, and the variants
-# placed in transformers-hosted families in torch fp16. Every step has its own time limit and
-# writes its log under $OUT, so a run cut short still returns what it finished.
+# placed in transformers-hosted families in torch fp16 (tests/test_hosts_gpu.py, then their speed).
+# Every step has its own time limit and writes its log under $OUT, so a run cut short still returns
+# what it finished. ONLY=hosts runs the hosted-family steps alone.
 #
 # Carry plugins/lib (the library `make test` built, sm_90 included) and, where the GPU machine's
 # transformers is older than the one attnx is tested with, .whl/ holding that transformers wheel.
@@ -34,6 +35,7 @@ step() {  # step NAME SECONDS COMMAND...
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } >>"$LOG" 2>&1
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider tests/test_plugins_gpu.py"
+HOSTS="python3 -m pytest -q -rfE -p no:cacheprovider tests/test_hosts_gpu.py"
 SANITIZED='sanitizer or unaligned_inputs'
 if [ "${ONLY:-all}" != hosts ]; then
 step plugins-tests "${T_TESTS:-100}" $PYTEST
@@ -43,6 +45,7 @@ step racecheck "${T_SAN:-110}" compute-sanitizer --tool racecheck --error-exitco
 step tta-vs-cublas "${T_TTA:-60}" python3 benchmarks/bench_kernels_gpu.py --ops tta --lengths 512 1024 2048 \
     --rounds 5 --json "$OUT/tta.json"
 fi
+step hosts-tests "${T_TESTS:-100}" $HOSTS
 for family in ${FAMILIES:-llama modernbert qwen2}; do
     step "hosts-$family" "${T_HOST:-60}" python3 benchmarks/bench_variants_gpu.py --family "$family" \
         --dtypes float16 --batch "${BATCH:-4}" --lengths 512 2048 --rounds 3 --json "$OUT/hosts-$family.json"

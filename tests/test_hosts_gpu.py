@@ -1,0 +1,88 @@
+"""Variants placed in transformers-hosted families, run by PyTorch on a GPU in fp16 and bf16, against
+the same model in fp32 on the CPU along the reference path (variants.md's literal formulas).
+
+What this catches that the CPU suite cannot: the fused kernels SDPA picks on CUDA (flash, memory-
+efficient) with attnx's masks and folded q/k columns (smal's padded head width), GQA through
+``enable_gqa``, and the half-precision paths. Needs an NVIDIA GPU (skipped otherwise, with the reason);
+run on the GPU machine by ``tools/gpu_checks.sh``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from hf_folders import make_folder  # noqa: E402
+
+_CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not _CUDA, reason="needs an NVIDIA GPU (no CUDA device visible to PyTorch)")
+
+VARIANTS = ["mha", "cultural", "metaphor", "maw", "smal"]
+
+
+def _moved_off_neutral(model, seed: int) -> None:
+    """Variant parameters drawn at random (a neutral variant would only test plain attention)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in model.variant_parameter_names():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def _feeds(model, batch: int, seq: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    feeds = {}
+    for spec in model.input_specs():
+        shape = [batch if d == "batch" else seq if d == "seq" else int(d) for d in spec.shape]
+        if spec.role == "attention_mask":
+            lengths = torch.tensor([seq, seq * 3 // 4, seq // 2, 3][:batch])
+            feeds[spec.name] = (torch.arange(seq)[None] < lengths[:, None]).long()
+        elif spec.dtype == "float":
+            feeds[spec.name] = torch.randn(*shape, generator=g)
+        else:
+            low, high = spec.range or (0, 16)
+            high = min(high, model.vocab_size) if spec.role == "input_ids" else high
+            feeds[spec.name] = torch.randint(max(low, 3), high, shape, generator=g)
+    return feeds
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hosts-gpu")
+    return {f: make_folder(f, root) for f in ("llama", "modernbert")}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family", ["llama", "modernbert"])
+def test_placed_variant_on_cuda_equals_the_fp32_reference(folders, family, variant, dtype):
+    from attnx import pretrained
+    from attnx.models import reference
+
+    model = pretrained.load(folders[family], variant).eval()
+    _moved_off_neutral(model, seed=len(variant))
+    feeds = _feeds(model, batch=4, seq=40)
+    with torch.inference_mode(), reference():
+        want = model.forward_named(feeds)
+    gpu = model.to(device="cuda", dtype=getattr(torch, dtype))
+    cast = {k: (v.to("cuda", getattr(torch, dtype)) if v.is_floating_point() else v.to("cuda"))
+            for k, v in feeds.items()}
+    with torch.inference_mode():
+        got = gpu.forward_named(cast)
+    rows = feeds["attention_mask"].bool()
+    for name, ref in want.items():
+        out = got[name].float().cpu()
+        if ref.dim() >= 2 and ref.shape[:2] == rows.shape:  # per token: padded positions are not compared
+            ref, out = ref[rows], out[rows]
+        if not ref.is_floating_point():  # maw's selected depth: the same decision
+            assert torch.equal(out.to(ref.dtype), ref), name
+            continue
+        scale = ref.abs().max().item()
+        err = (out - ref).abs().max().item()
+        # half precision through two layers and a head; bf16 keeps 3 fewer mantissa bits than fp16
+        # (the same models in bf16 on the CPU: at most 6% of the largest value)
+        assert err <= (2e-2 if dtype == "float16" else 1e-1) * scale, (name, err, scale)
