@@ -15,6 +15,8 @@ full queue, too many bytes being decoded) -> ``RESOURCE_EXHAUSTED``, a queue tim
 cancels is counted as ``client_disconnect``, not as an error of ours. The decode budget
 (:class:`~attnx.runtime.admission.ByteBudget`) is the HTTP server's, so both share one bound.
 
+TEI's gRPC services (``tei.v1``, :mod:`attnx.runtime.tei_grpc`) are served on the same port.
+
 The gRPC server runs on its own thread and event loop (``grpc.aio``), so it starts, binds (port 0
 picks one) and stops independently of uvicorn; requests meet the HTTP ones in the batchers.
 """
@@ -187,8 +189,9 @@ class GrpcFrontEnd:
 
     def __init__(self, registry: service.ModelRegistry, metrics: ServerMetrics, limits: proto.Limits, *,
                  host: str = "127.0.0.1", port: int = 8001, extensions: list[str] | None = None,
-                 budget: ByteBudget | None = None, interceptors: list | None = None):
+                 budget: ByteBudget | None = None, interceptors: list | None = None, handlers: list | None = None):
         self.servicer = Servicer(registry, metrics, limits, extensions or [], budget)
+        self.handlers = list(handlers or [])  # more services on the same port (TEI's: attnx.runtime.tei_grpc)
         self.interceptors = list(interceptors or [])  # e.g. the API-key check (attnx.runtime.auth)
         self.host, self.requested_port, self.limits = host, port, limits
         self.port: int | None = None
@@ -227,6 +230,8 @@ class GrpcFrontEnd:
                                           ("grpc.max_send_message_length", -1),
                                           ("grpc.so_reuseport", 0)])
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)
+        if self.handlers:
+            server.add_generic_rpc_handlers(self.handlers)
         target = f"[{self.host}]:{self.requested_port}" if ":" in self.host else f"{self.host}:{self.requested_port}"
         try:
             self.port = server.add_insecure_port(target)

@@ -365,18 +365,20 @@ class InferenceServer:
                 self.warnings.append(f"model {name!r}: {batcher.layout.verdict()}")
         for message in self.warnings:
             (on_warning or log.warning)(message)
-        self.grpc = None
-        key = ApiKey(api_key) if api_key else None
-        if grpc_port is not None:
-            from attnx.runtime.grpc_server import GrpcFrontEnd
-
-            self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
-                                     extensions=EXTENSIONS, budget=self.budget,
-                                     interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
         self.app = create_app(self.registry, self.metrics, self.limits, on_shutdown=self._on_shutdown,
                               budget=self.budget)
         # The OpenAI and TEI embedding routes: the same models, batchers, limits, budget and metrics.
         api = EmbeddingApi(self.registry, self.metrics, self.limits, self.budget, dimensions or Dimensions())
+        self.grpc = None
+        key = ApiKey(api_key) if api_key else None
+        if grpc_port is not None:  # KServe v2 and TEI's tei.v1 on one port
+            from attnx.runtime.grpc_server import GrpcFrontEnd
+            from attnx.runtime.tei_grpc import generic_handlers
+
+            self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
+                                     extensions=EXTENSIONS, budget=self.budget,
+                                     interceptors=[GrpcApiKeyInterceptor(key)] if key else [],
+                                     handlers=generic_handlers(api))
         add_openai_routes(self.app, api)
         add_tei_routes(self.app, api)
         add_rerank_routes(self.app, api)  # sequence classifiers: Cohere/Jina rerank, Infinity classify

@@ -107,7 +107,7 @@ def add_tei_routes(app: FastAPI, api: EmbeddingApi) -> None:
         models = embedding_models(api.registry) or scoring_models(api.registry)
         if not models:
             return error_response(proto.NotFound("this server has no embedding model or text classifier"))
-        return Response(json.dumps(_info(models[0], api)), media_type="application/json")
+        return Response(json.dumps(info_fields(models[0], api)), media_type="application/json")
 
     def route(handler):
         async def run_route(request: Request) -> Response:
@@ -322,7 +322,7 @@ def _encode(vectors: np.ndarray) -> bytes:
     return orjson.dumps(np.ascontiguousarray(vectors, dtype=np.float32), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _info(model, api: EmbeddingApi) -> dict:
+def info_fields(model, api: EmbeddingApi) -> dict:
     """TEI's ``/info`` fields, filled with what attnx knows of the model and the server's limits."""
     info = model.session.info
     st = ((info.config or {}).get("sentence_transformers") or {}) if info is not None else {}

@@ -169,6 +169,16 @@ class TextTokenizer:
                 raise InputError(f"pair {i} is not two strings")
         return self._encode([tuple(p) for p in pairs], truncate, "pair")
 
+    def tokens(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, str, bool, int, int]]:
+        """``(id, text, special, start, stop)`` of each token of ``text`` (not truncated): a special token's
+        text is the token itself, another's the characters ``text[start:stop]`` it came from (TEI's Tokenize)."""
+        try:
+            enc = self._full.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - e.g. lone surrogates
+            raise InputError(f"cannot tokenise the text: {' '.join(str(e).split())[:200]}") from None
+        return [(i, token if special else text[a:b], bool(special), a, b) for i, token, special, (a, b)
+                in zip(enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets)]
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Token ids back to text (generation)."""
         return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
