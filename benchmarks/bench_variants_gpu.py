@@ -178,6 +178,10 @@ def run(args) -> list[dict]:
             else:
                 models[v] = build_encoder(v, d_model=args.d_model, n_heads=args.heads, n_layers=1).to(
                     device=device, dtype=dtype).eval()
+        # torch.compile in "reduce-overhead" mode (CUDA graphs): what removes the per-kernel launch cost
+        # that dominates these models at small batches (section 4 of docs/gpu.md)
+        compiled = {v: torch.compile(m.forward_named, mode="reduce-overhead", dynamic=False)
+                    for v, m in models.items()} if args.compile else {}
         for L in lengths:
             calls, peaks, failed = {}, {}, {}
             for v, model in models.items():
@@ -185,9 +189,11 @@ def run(args) -> list[dict]:
                     if args.pretrained:
                         feeds = _token_inputs(torch, model, args.batch, L, dtype, device)
 
-                        def forward(model=model, feeds=feeds):
+                        run = compiled[v] if args.compile else model.forward_named
+
+                        def forward(run=run, feeds=feeds):
                             with torch.inference_mode():
-                                return model.forward_named(feeds)
+                                return run(feeds)
                     else:
                         hidden, mask, context = _inputs(torch, model, args.batch, L, args.d_model, dtype, device)
 
@@ -195,7 +201,8 @@ def run(args) -> list[dict]:
                             with torch.inference_mode():
                                 return model(hidden, mask, **context)
 
-                    forward()  # warm-up (kernel selection, lazy init)
+                    for _ in range(3 if args.compile else 1):  # warm-up (kernel selection; compile, graph capture)
+                        forward()
                     peaks[v] = _peak_mib(torch, forward, device)
                     calls[v] = forward
                 except oom as e:
@@ -246,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-ms", type=float, default=20.0, help="length of one timed burst")
     parser.add_argument("--json", default=None, help="write every figure to this JSON file")
     parser.add_argument("--pretrained", default=None, help="a Hugging Face folder to place each variant in")
+    parser.add_argument("--compile", action="store_true",
+                        help="with a folder: each model's forward through torch.compile(mode='reduce-overhead')")
     parser.add_argument("--family", default=None, choices=sorted(FAMILY_SHAPES),
                         help="a random folder of this family at a published shape, instead of --pretrained")
     args = parser.parse_args(argv)
