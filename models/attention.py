@@ -32,8 +32,32 @@ from attnx.models.signature import InputSpec, check_choice, check_inputs
 
 # --------------------------------------------------------------------------- paths
 
+
+class TracedVar:
+    """A ``ContextVar`` that ``torch.compile`` can trace. Eager code reads the context variable (per
+    thread and task); Dynamo cannot trace ``ContextVar.get``/``set`` (a graph break at every layer), so
+    every set is mirrored in a plain attribute and code being compiled reads and writes that instead
+    (one graph for a whole placed model; the mirror follows the last set, whichever thread made it)."""
+
+    def __init__(self, name: str, default):
+        self.var = contextvars.ContextVar(name, default=default)
+        self.traced = default
+
+    def get(self):
+        return self.traced if torch.compiler.is_dynamo_compiling() else self.var.get()
+
+    def set(self, value) -> tuple:
+        old, self.traced = self.traced, value
+        return (None if torch.compiler.is_dynamo_compiling() else self.var.set(value)), old
+
+    def reset(self, token: tuple) -> None:
+        var_token, self.traced = token
+        if var_token is not None:
+            self.var.reset(var_token)
+
+
 PATHS = ("fast", "reference", "plugin")
-_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("attnx_attention_path", default="fast")
+_PATH = TracedVar("attnx_attention_path", "fast")
 
 
 @contextlib.contextmanager

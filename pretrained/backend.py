@@ -18,12 +18,11 @@ the sequence), a head mask, and each attention's input hidden states.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, field
 
 import torch
 
-from attnx.models.attention import Mask, bias_from_allowed, mask_bias
+from attnx.models.attention import Mask, TracedVar, bias_from_allowed, mask_bias
 from attnx.models.signature import check_tensor
 
 NAME = "attnx"
@@ -43,15 +42,15 @@ class Call:
     #: the additive bias of the boolean mask transformers passes every layer: (that mask, dtype, bias)
     bias: tuple | None = None
 
-    opened: contextvars.Token | None = None  # set on a Call a model's first layer opened (open_forward)
+    opened: tuple | None = None  # the TracedVar token of a Call a model's first layer opened (open_forward)
 
     def extended(self, context: dict | None = None, tokens=None) -> "Call":
         return Call({**self.context, **(context or {})}, self.tokens if tokens is None else tokens, self.head_mask,
                     cache=self.cache)
 
 
-_CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("attnx_call", default=None)
-_PROBE: contextvars.ContextVar[list | None] = contextvars.ContextVar("attnx_probe", default=None)
+_CALL = TracedVar("attnx_call", None)  # the running forward's Call (a ContextVar torch.compile can trace)
+_PROBE = TracedVar("attnx_probe", None)
 
 
 def current_call() -> Call:

@@ -200,3 +200,34 @@ def lazy_folders(root: Path):
         return made[name]
 
     return get
+
+
+def move_off_neutral(model, seed: int) -> None:
+    """Variant parameters drawn at random (a neutral variant would only test plain attention)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in model.variant_parameter_names():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def placed_feeds(model, batch: int, seq: int) -> dict:
+    """Token ids, a padded mask (lengths seq, 3seq/4, seq/2, 3) and random context inputs for a placed model."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    feeds = {}
+    for spec in model.input_specs():
+        shape = [batch if d == "batch" else seq if d == "seq" else int(d) for d in spec.shape]
+        if spec.role == "attention_mask":
+            lengths = torch.tensor([seq, seq * 3 // 4, seq // 2, 3][:batch])
+            feeds[spec.name] = (torch.arange(seq)[None] < lengths[:, None]).long()
+        elif spec.dtype == "float":
+            feeds[spec.name] = torch.randn(*shape, generator=g)
+        else:
+            low, high = spec.range or (0, 16)
+            high = min(high, model.vocab_size) if spec.role == "input_ids" else high
+            feeds[spec.name] = torch.randint(max(low, 3), high, shape, generator=g)
+    return feeds

@@ -16,38 +16,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_folders import make_folder  # noqa: E402
+from hf_folders import make_folder, move_off_neutral, placed_feeds  # noqa: E402
 
 _CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not _CUDA, reason="needs an NVIDIA GPU (no CUDA device visible to PyTorch)")
 
 VARIANTS = ["mha", "cultural", "metaphor", "maw", "smal"]
-
-
-def _moved_off_neutral(model, seed: int) -> None:
-    """Variant parameters drawn at random (a neutral variant would only test plain attention)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in model.variant_parameter_names():
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-
-
-def _feeds(model, batch: int, seq: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    feeds = {}
-    for spec in model.input_specs():
-        shape = [batch if d == "batch" else seq if d == "seq" else int(d) for d in spec.shape]
-        if spec.role == "attention_mask":
-            lengths = torch.tensor([seq, seq * 3 // 4, seq // 2, 3][:batch])
-            feeds[spec.name] = (torch.arange(seq)[None] < lengths[:, None]).long()
-        elif spec.dtype == "float":
-            feeds[spec.name] = torch.randn(*shape, generator=g)
-        else:
-            low, high = spec.range or (0, 16)
-            high = min(high, model.vocab_size) if spec.role == "input_ids" else high
-            feeds[spec.name] = torch.randint(max(low, 3), high, shape, generator=g)
-    return feeds
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +38,8 @@ def test_placed_variant_on_cuda_equals_the_fp32_reference(folders, family, varia
     from attnx.models import reference
 
     model = pretrained.load(folders[family], variant).eval()
-    _moved_off_neutral(model, seed=len(variant))
-    feeds = _feeds(model, batch=4, seq=40)
+    move_off_neutral(model, seed=len(variant))
+    feeds = placed_feeds(model, batch=4, seq=40)
     with torch.inference_mode(), reference():
         want = model.forward_named(feeds)
     gpu = model.to(device="cuda", dtype=getattr(torch, dtype))
