@@ -45,7 +45,8 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
                   "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
                   "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-                413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+                413: grpc.StatusCode.RESOURCE_EXHAUSTED, 501: grpc.StatusCode.UNIMPLEMENTED,
+                503: grpc.StatusCode.UNAVAILABLE}
 #: 503s by reason: overload is the client's cue to back off (as Triton answers a full queue).
 OVERLOAD_CODES = {"overload": grpc.StatusCode.RESOURCE_EXHAUSTED, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED}
 

@@ -45,6 +45,9 @@ from attnx.runtime.tei_api import info_fields
 PACKAGE = "tei.v1"
 ENUMS = {"ModelType": ["MODEL_TYPE_EMBEDDING", "MODEL_TYPE_CLASSIFIER", "MODEL_TYPE_RERANKER"],
          "TruncationDirection": ["TRUNCATION_DIRECTION_RIGHT", "TRUNCATION_DIRECTION_LEFT"]}
+#: EmbedSparseRequest's and EmbedAllRequest's fields (TEI numbers them alike).
+_TEXT_REQUEST = [("inputs", 1, "string"), ("truncate", 2, "bool"), ("truncation_direction", 3, "TruncationDirection"),
+                 ("prompt_name", 4, "string?")]
 #: message -> fields (name, number, type): ``*type`` repeated, ``type?`` proto3 ``optional``.
 MESSAGES: dict[str, list[tuple[str, int, str]]] = {
     "InfoRequest": [],
@@ -61,12 +64,10 @@ MESSAGES: dict[str, list[tuple[str, int, str]]] = {
                      ("truncation_direction", 4, "TruncationDirection"), ("prompt_name", 5, "string?"),
                      ("dimensions", 6, "uint32?")],
     "EmbedResponse": [("embeddings", 1, "*float"), ("metadata", 2, "Metadata")],
-    "EmbedSparseRequest": [("inputs", 1, "string"), ("truncate", 2, "bool"),
-                           ("truncation_direction", 3, "TruncationDirection"), ("prompt_name", 4, "string?")],
+    "EmbedSparseRequest": _TEXT_REQUEST,
     "SparseValue": [("index", 1, "uint32"), ("value", 2, "float")],
     "EmbedSparseResponse": [("sparse_embeddings", 1, "*SparseValue"), ("metadata", 2, "Metadata")],
-    "EmbedAllRequest": [("inputs", 1, "string"), ("truncate", 2, "bool"),
-                        ("truncation_direction", 3, "TruncationDirection"), ("prompt_name", 4, "string?")],
+    "EmbedAllRequest": _TEXT_REQUEST,
     "TokenEmbedding": [("embeddings", 1, "*float")],
     "EmbedAllResponse": [("token_embeddings", 1, "*TokenEmbedding"), ("metadata", 2, "Metadata")],
     "PredictRequest": [("inputs", 1, "string"), ("truncate", 2, "bool"), ("raw_scores", 3, "bool"),
@@ -346,7 +347,7 @@ class TeiHandlers:
 
 
 class _Unimplemented(proto.ProtocolError):
-    status = 501
+    status = 501  # grpc_server.status_code: UNIMPLEMENTED
     reason = "unimplemented"
 
 
@@ -356,9 +357,7 @@ def _guarded(api: EmbeddingApi, fn, method: str):
     async def fail(context, e: BaseException, label: str):
         if isinstance(e, proto.ProtocolError):
             api.metrics.failure(label, e.reason)
-            code = grpc.StatusCode.UNIMPLEMENTED if isinstance(e, _Unimplemented) else status_code(
-                proto.BadRequest(e.message) if e.status == 422 else e)
-            await context.abort(code, e.message)
+            await context.abort(status_code(e), e.message)
         api.metrics.failure(label, "internal")
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: "
                                                       f"{public_message(str(e))}")

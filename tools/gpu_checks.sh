@@ -3,7 +3,7 @@
 # network): the kernels' tests, compute-sanitizer, TtaDistance against cuBLAS, and the variants
 # placed in transformers-hosted families in torch fp16 (tests/test_hosts_gpu.py, then their speed).
 # Every step has its own time limit and writes its log under $OUT, so a run cut short still returns
-# what it finished. ONLY=hosts runs the hosted-family steps alone.
+# what it finished. ONLY=hosts runs the hosted-family steps alone; FAMILIES=" " skips their speed runs.
 #
 # Carry plugins/lib (the library `make test` built, sm_90 included) and, where the GPU machine's
 # transformers is older than the one attnx is tested with, .whl/ holding that transformers wheel.
