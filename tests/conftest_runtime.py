@@ -109,34 +109,6 @@ def triton_infer(client, model: str, feeds: Mapping[str, np.ndarray], *, binary_
     return {o["name"]: result.as_numpy(o["name"]) for o in response["outputs"]}, response
 
 
-# --- real text models (cached for the whole pytest process: exporting MiniLM takes ~40 s) ---------
-
-_CACHE: dict = {}
-
-
-def minilm_export(tmp_path_factory, variant: str = "mha"):
-    """The real all-MiniLM-L6-v2 exported with ``variant`` placed (``.onnx`` path; tokenizer beside it)."""
-    key = ("minilm", variant)
-    if key not in _CACHE:
-        from attnx.export.pretrained import export_pretrained
-        from attnx.pretrained import minilm_path
-
-        folder = tmp_path_factory.mktemp(f"minilm-{variant}")
-        _CACHE[key] = export_pretrained(minilm_path(), folder / f"minilm-{variant}.onnx", variant=variant).path
-    return _CACHE[key]
-
-
-def sentence_transformer():
-    """sentence-transformers' own all-MiniLM-L6-v2 (the reference every text test compares with)."""
-    if "st" not in _CACHE:
-        from sentence_transformers import SentenceTransformer
-
-        from attnx.pretrained import minilm_path
-
-        _CACHE["st"] = SentenceTransformer(str(minilm_path()), device="cpu")
-    return _CACHE["st"]
-
-
 def long_text(words: int, seed: int = 0) -> str:
     """Real English words (from the built-in sentences), ``words`` of them."""
     from attnx.pretrained.sentences import SENTENCES

@@ -13,7 +13,8 @@ import tritonclient.grpc as grpcclient
 
 from attnx.runtime import BatcherConfig
 from attnx.runtime.pacing import Pace
-from conftest_runtime import long_text, minilm_export, running_server
+from conftest_runtime import long_text, running_server
+from support import exports
 
 #: 600 texts of ~2,000 words: each is cut to 256 tokens; together ~150k tokens, ~8 MB of text.
 BIG = [long_text(2000, seed=i % 7) + f" {i}" for i in range(600)]
@@ -21,7 +22,7 @@ BIG = [long_text(2000, seed=i % 7) + f" {i}" for i in range(600)]
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return exports.minilm().path
 
 
 def serve(minilm):

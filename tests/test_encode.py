@@ -11,7 +11,8 @@ import pytest
 
 from attnx.runtime import TextModel, load
 from attnx.runtime.text import TextTokenizer
-from conftest_runtime import cosine_rows, long_text, minilm_export, sentence_transformer
+from conftest_runtime import cosine_rows, long_text
+from support import exports
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
@@ -22,7 +23,7 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The 
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return exports.minilm().path
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def model(minilm):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 32])
@@ -78,7 +79,7 @@ def test_a_folder_loads_and_a_missing_tokenizer_is_a_clear_error(minilm, tmp_pat
 
 def test_a_variant_placed_in_minilm_still_equals_sentence_transformers(tmp_path_factory, st):
     """smal placed at its neutral values computes the original model; its context rows go with the texts."""
-    path = minilm_export(tmp_path_factory, "smal")
+    path = exports.minilm("smal").path
     model = TextModel(path, device="cpu")
     context = {}
     for spec in model.session.inputs:
@@ -105,7 +106,7 @@ VOCAB_WORDS = ["<|endoftext|>", "[UNK]"] + sorted(set(" ".join(SENTENCES[:9]).lo
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 

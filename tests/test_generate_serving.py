@@ -22,7 +22,7 @@ import pytest
 import generation_fixtures as gf
 from conftest_runtime import running_server
 
-transformers = pytest.importorskip("transformers")
+import transformers
 transformers.logging.set_verbosity_error()
 
 from attnx.runtime import BatcherConfig, TextModel  # noqa: E402
@@ -32,14 +32,9 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return gf.base(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def paths(root):
-    return {"llm": gf.export(root, gf.chat_folder(root), "mha"),
-            "smal": gf.export(root, gf.trained_folder(root, "llama", "smal"), None, "rewrite")}
+def paths():
+    return {"llm": gf.export(gf.chat_folder(), "mha"),
+            "smal": gf.export(gf.trained_folder("llama", "smal"), None, "rewrite")}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +87,8 @@ def test_sampling_with_a_seed_repeats(client):
     assert a == b
 
 
-def test_chat_completions_render_the_chat_template(root, client, local):
-    tok = transformers.AutoTokenizer.from_pretrained(gf.chat_folder(root))
+def test_chat_completions_render_the_chat_template(client, local):
+    tok = transformers.AutoTokenizer.from_pretrained(gf.chat_folder())
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     model = local["llm"]

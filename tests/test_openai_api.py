@@ -21,8 +21,8 @@ from attnx.runtime import BatcherConfig, load
 from attnx.runtime.embeddings import Dimensions
 from attnx.runtime.metrics import histogram_counts
 from attnx.runtime.protocol import Limits
-from conftest_runtime import EXPORT_KW, GatedSession, cosine_rows, long_text, minilm_export, running_server, \
-    sentence_transformer
+from conftest_runtime import EXPORT_KW, GatedSession, cosine_rows, long_text, running_server
+from support import exports
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi",
          "The quick brown fox jumps over the lazy dog, again and again, until the dog finally wakes up."]
@@ -32,7 +32,7 @@ LIMITS = Limits(max_texts=64, max_request_tokens=2000)
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    return load(minilm_export(tmp_path_factory), device="cpu")
+    return load(exports.minilm().path, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 def vectors(response) -> np.ndarray:
@@ -324,7 +324,7 @@ def test_a_placed_variants_context_rows_go_in_the_body_and_give_what_kserve_give
     """cultural placed in MiniLM takes a [batch, 32] context row per text: over KServe beside the text
     tensor, here as the "context" extension; both must give the same embeddings."""
     rows = np.random.default_rng(3).standard_normal((2, 32)).astype(np.float32)
-    with running_server({"cult": minilm_export(tmp_path_factory, "cultural")}) as srv:
+    with running_server({"cult": exports.minilm("cultural").path}) as srv:
         c = httpclient.InferenceServerClient(srv.address, network_timeout=120)
         text = httpclient.InferInput("text", [2], "BYTES")
         text.set_data_from_numpy(np.array([t.encode() for t in TEXTS[:2]], dtype=object))

@@ -26,9 +26,9 @@ KEY = "sk-attnx-rerank-test"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {"ce": export(tmp_path_factory, "bert-cross-encoder"),
-            "ce-cultural": export(tmp_path_factory, "bert-cross-encoder", "cultural"),
-            "sentiment": export(tmp_path_factory, "bert-classifier")}
+    return {"ce": export("bert-cross-encoder"),
+            "ce-cultural": export("bert-cross-encoder", "cultural"),
+            "sentiment": export("bert-classifier")}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,12 @@ def http(models):
 
 @pytest.fixture(scope="module")
 def ce(tmp_path_factory):
-    return cross_encoder(tmp_path_factory, "bert-cross-encoder")
+    return cross_encoder("bert-cross-encoder")
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    return reference(tmp_path_factory, "bert-cross-encoder")
+    return reference("bert-cross-encoder")
 
 
 def body_for(model: str, models, docs=DOCS, **extra) -> dict:
@@ -118,9 +118,9 @@ def test_long_pairs_are_cut_longest_first_as_cross_encoder_cuts_them(http, model
 def test_a_decoder_reranker_equals_cross_encoder(tmp_path_factory):
     """Qwen2ForSequenceClassification scores the last token: pairs of very different lengths share a padded
     batch and must each be read at their own last token (cultural placed)."""
-    ce = cross_encoder(tmp_path_factory, "qwen2-classifier")
+    ce = cross_encoder("qwen2-classifier")
     docs = [DOCS[0], "hi", long_text(80, seed=4), DOCS[4]]
-    path = export(tmp_path_factory, "qwen2-classifier", "cultural")
+    path = export("qwen2-classifier", "cultural")
     body = {"query": QUERY, "texts": docs, "context": neutral_context(path, len(docs))}
     with running_server({"qwen": path}) as server:
         got = httpx.post(server.url + "/rerank", json=body, timeout=120).json()

@@ -13,7 +13,8 @@ import pytest
 
 from attnx.runtime.embeddings import Dimensions
 from attnx.runtime.protocol import Limits
-from conftest_runtime import cosine_rows, long_text, minilm_export, running_server, sentence_transformer
+from conftest_runtime import cosine_rows, long_text, running_server
+from support import exports
 from scoring_fixtures import export, reference, sigmoid, softmax
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi"]
@@ -41,8 +42,8 @@ def stubs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    models = {"minilm": minilm_export(tmp_path_factory), "ce": export(tmp_path_factory, "bert-cross-encoder"),
-              "sentiment": export(tmp_path_factory, "bert-classifier")}
+    models = {"minilm": exports.minilm().path, "ce": export("bert-cross-encoder"),
+              "sentiment": export("bert-classifier")}
     with running_server(models, grpc_port=0, limits=Limits(max_texts=16),
                         dimensions=Dimensions.parse(["any"], models)) as s:
         yield s
@@ -56,7 +57,7 @@ def channel(server):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 def test_embed_equals_sentence_transformers(stubs, channel, st):
@@ -86,7 +87,7 @@ def test_embed_all_gives_the_token_embeddings(stubs, channel, st):
 
 def test_predict_and_rerank_equal_transformers(stubs, channel, tmp_path_factory):
     pb, rpc = stubs
-    sentiment, ce = reference(tmp_path_factory, "bert-classifier"), reference(tmp_path_factory, "bert-cross-encoder")
+    sentiment, ce = reference("bert-classifier"), reference("bert-cross-encoder")
     names = sentiment.model.config.id2label
     predict = rpc.PredictStub(channel)
     for request, item in ((pb.PredictRequest(inputs=TEXTS[0]), TEXTS[0]),
@@ -165,7 +166,7 @@ def test_bad_requests_are_one_line_statuses(stubs, channel):
 
 def test_the_api_key_guards_tei_grpc_too(stubs, tmp_path_factory):
     pb, rpc = stubs
-    with running_server({"minilm": minilm_export(tmp_path_factory)}, grpc_port=0, api_key=KEY) as server, \
+    with running_server({"minilm": exports.minilm().path}, grpc_port=0, api_key=KEY) as server, \
             grpc.insecure_channel(server.grpc_address) as ch:
         embed = rpc.EmbedStub(ch)
         with pytest.raises(grpc.RpcError) as e:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("matplotlib")  # a guard only: installed with attnx[dev]
+import matplotlib  # noqa: E402,F401
 from PIL import Image  # noqa: E402  (matplotlib depends on pillow)
 
 from attnx.models import build_encoder  # noqa: E402
