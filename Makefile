@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
+	# A real Triton server for the tests (tests/tritonserver.py runs its bundled binary, not its Python API).
+	# --no-deps: its metadata asks numpy<2 for its Python API; the binary and the Python backend run on numpy 2.
+	$(PY) -m pip install -q --no-deps -c constraints-dev.txt nvidia-pytriton
+	# Its Python-backend stub (Triton 2.51) reads numpy 2 arrays wrongly: the tests give the stub a Python
+	# environment with this numpy 1 in front of the venv's packages (tests/tritonserver.py).
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-stub-numpy numpy==1.26.4
 	touch $(STAMP)
 
 venv: $(STAMP)

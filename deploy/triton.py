@@ -292,9 +292,12 @@ def _ensemble_problems(message) -> list[str]:
 def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
     """Check a parsed ensemble config against the parsed configs of the models it composes (``{name:
     ModelConfig}``): every step's model exists, maps only its real inputs and outputs, gets every
-    input it needs with the data type it declares, and batches at least as far as the ensemble."""
+    input it needs with the data type it declares (never from an ensemble input a request may leave
+    out), and batches at least as far as the ensemble."""
     problems = []
     tensor_types = {t.name: t.data_type for t in ensemble.input}
+    # Tensors a request may leave out: Triton then runs the step that reads one without that input.
+    maybe_absent = {t.name for t in ensemble.input if t.optional}
     for step in ensemble.ensemble_scheduling.step:
         model = models.get(step.model_name)
         if model is None:
@@ -310,6 +313,9 @@ def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
         unfed = sorted(n for n, t in inputs.items() if n not in step.input_map and not t.optional)
         if unfed:
             problems.append(f"{step.model_name} inputs {unfed} are not mapped")
+        absent = sorted(k for k, v in step.input_map.items() if v in maybe_absent and k in inputs and not inputs[k].optional)
+        if absent:
+            problems.append(f"{step.model_name} needs {absent}, which the ensemble lets a request leave out")
         for key, value in step.output_map.items():
             if key not in outputs:
                 problems.append(f"{step.model_name} has no output {key!r}")
