@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attnx.contract import BATCH, SEQ, ContractError, ModelInfo, Role, contained, load_onnx, verify_engine
+from attnx.contract import BATCH, SEQ, ContractError, ModelInfo, contained, load_onnx, verify_engine
 from attnx.deploy import text_ensemble as text
 from attnx.deploy.kserve import KServeOptions, check_manifest, kserve_problem, repository_service, to_yaml
 from attnx.deploy.readme import repository_readme
 from attnx.deploy.triton import (
     ConfigError,
-    Enum,
     check_model_name,
     model_config,
+    python_model_config,
     schema_problem,
     to_pbtxt,
     validate_config,
@@ -268,8 +268,11 @@ def write_repository(
         max_queue_delay_us=max_queue_delay_us, max_queue_size=max_queue_size, instance_kind=instance_kind,
         instance_count=instance_count, default_model_filename=source.filename)
     if backend == "python":
-        net_config = python_model_config(net_config, source, pad_id=pad_id, text_fed=is_text,
-                                         plugin=f"plugins/{plugin.name}" if plugin else None)
+        engine = source.platform == "tensorrt_plan"
+        net_config = python_model_config(
+            net_config, source.inputs, source.outputs, model_file=source.filename, pad_id=pad_id, text_fed=is_text,
+            onnx_file="model.onnx" if engine and not _sidecar_lists_io(source.sidecar) else None,
+            plugin=f"plugins/{plugin.name}" if plugin and engine else None, gpu=engine)
     configs: dict[str, dict[str, Any]] = {net_name: net_config}
     tokenizer_dir, tokenizer_files = None, []
     if names is not None:
@@ -361,39 +364,6 @@ def _backend(source: _Source, asked: str | None) -> str:
     if asked not in (own, "python"):
         raise ValueError(f"{source.path.name} runs on Triton's {own} backend or attnx's (python), not {asked}")
     return asked
-
-
-def python_model_config(config: dict[str, Any], source: _Source, *, pad_id: int | None, text_fed: bool,
-                        plugin: str | None) -> dict[str, Any]:
-    """``config`` (the model's :func:`model_config`) for attnx's runtime in Triton's Python backend:
-    ``backend: "python"``; sequence inputs ``allow_ragged_batch`` where attnx can pad them (it merges
-    requests of different lengths); inputs it fills when left out ``optional`` (context inputs with a
-    metadata default; the mask and segment ids, unless the tokenizer step always sends them)."""
-    from attnx.runtime import BatchLayout
-
-    layout = BatchLayout(source.inputs, source.outputs)
-    specs = {s.name: s for s in source.inputs}
-    inputs = []
-    for entry in config["input"]:
-        spec = specs[entry["name"]]
-        fills = spec.default in ("zeros", "ones") or (
-            not text_fed and spec.role in (Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS))
-        ragged = config["max_batch_size"] > 0 and layout.can_pad and spec.seq_axis is not None
-        inputs.append({**entry, **({"optional": True} if fills else {}), **({"allow_ragged_batch": True} if ragged else {})})
-    engine = source.platform == "tensorrt_plan"
-    params = {"model_file": source.filename,
-              **({"onnx_file": "model.onnx"} if engine and not _sidecar_lists_io(source.sidecar) else {}),
-              **({"pad_id": str(int(pad_id))} if pad_id is not None else {}),
-              "max_length_ratio": "1.5",
-              **({"plugin_library": plugin} if plugin and engine else {})}
-    out = {"name": config["name"], "backend": "python",
-           **{k: v for k, v in config.items() if k not in ("name", "platform", "default_model_filename", "input")}}
-    out["input"] = inputs
-    out = {k: out[k] for k in ("name", "backend", "max_batch_size", "input", "output") if k in out} | out
-    if engine:
-        out["instance_group"] = [{**g, "kind": Enum("KIND_GPU")} for g in out["instance_group"]]
-    out["parameters"] = {k: {"string_value": v} for k, v in params.items()}
-    return out
 
 
 def _sidecar_lists_io(sidecar: dict) -> bool:

@@ -1,7 +1,8 @@
 """Triton Inference Server model configs: written as protobuf text, checked with Triton's own schema.
 
 :func:`model_config` gives the ``ModelConfig`` of an ONNX Runtime or TensorRT model (the one
-``attnx serve`` reports too), :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
+``attnx serve`` reports too), :func:`python_model_config` its form for attnx's runtime in Triton's
+Python backend, :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
 Triton's ``ModelConfig`` message (``model_config_pb2``, shipped inside ``tritonclient``) and adds
 the checks Triton makes at load time that the schema alone does not, and
 :func:`validate_ensemble` checks an ensemble against the models it composes. The repository
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from attnx.contract import BATCH
+from attnx.contract import BATCH, Role
 from attnx.runtime.session import Session, TensorSpec
 
 #: numpy dtype -> Triton ``DataType`` enum name.
@@ -136,6 +137,38 @@ def model_config(
     if parameters:
         config["parameters"] = {k: {"string_value": v} for k, v in parameters.items()}
     return config
+
+
+def python_model_config(config: dict[str, Any], inputs: list[TensorSpec], outputs: list[TensorSpec], *,
+                        model_file: str, pad_id: int | None = None, text_fed: bool = False, onnx_file: str | None = None,
+                        plugin: str | None = None, gpu: bool = False) -> dict[str, Any]:
+    """``config`` (a :func:`model_config`) for attnx's runtime in Triton's Python backend
+    (:mod:`attnx.deploy.runtime_model`): ``backend: "python"``; sequence inputs ``allow_ragged_batch``
+    where attnx can pad them (it merges requests of different lengths); inputs it fills when left out
+    ``optional`` (context inputs with a metadata default; the mask and segment ids too, unless a
+    tokenizer step always sends them, ``text_fed``). ``gpu``: instances on GPUs (an engine)."""
+    from attnx.runtime import BatchLayout
+
+    can_pad = BatchLayout(inputs, outputs).can_pad
+    specs = {s.name: s for s in inputs}
+    declared = []
+    for entry in config["input"]:
+        spec = specs[entry["name"]]
+        fills = spec.default in ("zeros", "ones") or (
+            not text_fed and spec.role in (Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS))
+        ragged = config["max_batch_size"] > 0 and can_pad and spec.seq_axis is not None
+        declared.append({**entry, **({"optional": True} if fills else {}),
+                         **({"allow_ragged_batch": True} if ragged else {})})
+    params = {"model_file": model_file, **({"onnx_file": onnx_file} if onnx_file else {}),
+              **({"pad_id": str(int(pad_id))} if pad_id is not None else {}), "max_length_ratio": "1.5",
+              **({"plugin_library": plugin} if plugin else {})}
+    out: dict[str, Any] = {"name": config["name"], "backend": "python", "max_batch_size": config["max_batch_size"],
+                           "input": declared, "output": config["output"]}
+    out.update({k: v for k, v in config.items() if k not in (*out, "platform", "default_model_filename")})
+    if gpu:
+        out["instance_group"] = [{**g, "kind": Enum("KIND_GPU")} for g in out["instance_group"]]
+    out["parameters"] = {k: {"string_value": v} for k, v in params.items()}
+    return out
 
 
 def _quote(s: str) -> str:
