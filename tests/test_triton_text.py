@@ -154,15 +154,14 @@ def run_ensemble(repo, ensemble_name, feeds, pb_utils):
 
 
 @pytest.fixture(scope="module")
-def minilm_export(tmp_path_factory):
-    from attnx.export.pretrained import export_pretrained
-
-    return export_pretrained(MINILM, tmp_path_factory.mktemp("minilm") / "minilm.onnx", variant="mha").path
+def minilm_onnx(minilm_export):
+    """The real all-MiniLM-L6-v2 export (mha), shared with the other modules (tests/conftest.py)."""
+    return minilm_export("mha").path
 
 
 @pytest.fixture(scope="module")
-def text_repo(minilm_export, tmp_path_factory):
-    return write_repository(minilm_export, tmp_path_factory.mktemp("r") / "repo", name="minilm",
+def text_repo(minilm_onnx, tmp_path_factory):
+    return write_repository(minilm_onnx, tmp_path_factory.mktemp("r") / "repo", name="minilm",
                             max_queue_delay_us=500)
 
 
@@ -176,7 +175,7 @@ def sbert():
 # ----------------------------------------------------------------------------- the repository
 
 
-def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(text_repo, minilm_export):
+def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(text_repo, minilm_onnx):
     repo, schema = text_repo.root, triton_schema()
     assert text_repo.entry == "minilm" and set(text_repo.models) == {"minilm", "minilm_tokenizer", "minilm_model"}
     configs = {n: parse_config(repo / n) for n in text_repo.models}
@@ -196,13 +195,13 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
     assert [(t.name, list(t.dims)) for t in tokenizer.output] == [(t.name, list(t.dims)) for t in model.input]
     # The model: ONNX Runtime with dynamic batching, the export's bytes.
     assert model.platform == "onnxruntime_onnx" and model.dynamic_batching.max_queue_delay_microseconds == 500
-    assert (repo / "minilm_model" / "1" / "model.onnx").read_bytes() == minilm_export.read_bytes()
+    assert (repo / "minilm_model" / "1" / "model.onnx").read_bytes() == minilm_onnx.read_bytes()
     shipped = repo / "minilm_tokenizer" / "1"
     from attnx.deploy import tokenizer_model
 
     assert (shipped / "model.py").read_text() == open(tokenizer_model.__file__).read()
     # the export's tokenizer.json travels as exported: the source's fixed 128 padding off, truncation at 256
-    exported = minilm_export.parent / ModelInfo.read(minilm_export).tokenizer["dir"] / "tokenizer.json"
+    exported = minilm_onnx.parent / ModelInfo.read(minilm_onnx).tokenizer["dir"] / "tokenizer.json"
     assert sha256_file(shipped / "tokenizer" / "tokenizer.json") == sha256_file(exported)
     shipped_json = json.loads((shipped / "tokenizer" / "tokenizer.json").read_text())
     assert shipped_json["padding"] is None and shipped_json["truncation"]["max_length"] == 256
@@ -211,7 +210,7 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
 
 
 def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transformers_embeddings(
-        text_repo, minilm_export, sbert, pb_utils):
+        text_repo, minilm_onnx, sbert, pb_utils):
     from attnx.runtime.encode import TextModel
 
     texts = [*SHORT, MEDIUM, LONG]
@@ -221,7 +220,7 @@ def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transfor
     assert set(out) == {"input_ids", "attention_mask", "token_type_ids"} and out["input_ids"].dtype == np.int64
     lengths = out["attention_mask"].sum(axis=1)
     assert out["input_ids"].shape == (5, 256) and lengths.max() == 256  # LONG is cut at the export's 256
-    attnx_ids = TextModel(minilm_export).tokenize(texts)
+    attnx_ids = TextModel(minilm_onnx).tokenize(texts)
     want = sbert.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
     for row, (ours, theirs, st) in enumerate(zip(out["input_ids"], attnx_ids, want)):
         assert lengths[row] == len(theirs) == len(st)
@@ -232,7 +231,7 @@ def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transfor
     got = run_ensemble(text_repo.root, "minilm", {"text": np.array([[t] for t in texts], dtype=object)}, pb_utils)
     reference = sbert.encode(texts, convert_to_numpy=True)
     assert np.abs(got["sentence_embedding"] - reference).max() < 2e-5
-    served = TextModel(minilm_export).encode(texts, normalize_embeddings=True)
+    served = TextModel(minilm_onnx).encode(texts, normalize_embeddings=True)
     assert np.abs(got["sentence_embedding"] - served).max() < 2e-5
     assert (got["attention_mask"] == out["attention_mask"]).all() and got["last_hidden_state"].shape[:2] == (5, 256)
 
@@ -338,7 +337,8 @@ def _fake_engine(tmp_path, onnx_path, seq_max):
     engine = tmp_path / "minilm.engine"
     engine.write_bytes(b"ftrt" + bytes(64))
     shutil.copy2(onnx_path, tmp_path / "minilm.onnx")
-    shutil.copytree(onnx_path.with_name("minilm.tokenizer"), tmp_path / "minilm.tokenizer")
+    folder = ModelInfo.read(onnx_path).tokenizer["dir"]  # the ONNX names its tokenizer folder
+    shutil.copytree(onnx_path.parent / folder, tmp_path / folder)
     ids = {"dtype": "int64", "shape": ["batch", "seq"]}
     (tmp_path / "minilm.engine.json").write_text(json.dumps({
         "engine_sha256": sha256_file(engine), "engine_bytes": engine.stat().st_size, "onnx_name": "minilm.onnx",
@@ -349,8 +349,8 @@ def _fake_engine(tmp_path, onnx_path, seq_max):
     return engine
 
 
-def test_engine_text_ensemble_fits_the_engines_profiles(minilm_export, tmp_path):
-    engine = _fake_engine(tmp_path, minilm_export, seq_max=128)
+def test_engine_text_ensemble_fits_the_engines_profiles(minilm_onnx, tmp_path):
+    engine = _fake_engine(tmp_path, minilm_onnx, seq_max=128)
     with pytest.raises(ValueError, match="seq profile stops at 128.*--max-length 128"):
         write_repository(engine, tmp_path / "repo", plugin_library=None)
     assert not (tmp_path / "repo").exists()
@@ -366,10 +366,10 @@ def test_engine_text_ensemble_fits_the_engines_profiles(minilm_export, tmp_path)
     validate_ensemble(configs["minilm"], configs)
 
 
-def test_engine_in_the_python_backend_ships_its_sidecar_and_plugin(minilm_export, tmp_path):
+def test_engine_in_the_python_backend_ships_its_sidecar_and_plugin(minilm_onnx, tmp_path):
     """An attnx engine run by attnx's runtime in Triton's Python backend (no engine runs here: the files
     and the config are checked; the runtime's engine path is tested with TensorRT in test_engine_*)."""
-    engine = _fake_engine(tmp_path, minilm_export, seq_max=256)
+    engine = _fake_engine(tmp_path, minilm_onnx, seq_max=256)
     plugin = tmp_path / "libattnx_plugins.so"
     plugin.write_bytes(b"\x7fELF fake")
     written = write_repository(engine, tmp_path / "repo", backend="python", plugin_library=plugin)
@@ -393,12 +393,12 @@ def test_engine_in_the_python_backend_ships_its_sidecar_and_plugin(minilm_export
 # ----------------------------------------------------------------------------- KServe
 
 
-def test_kserve_manifest_for_the_text_repository(minilm_export, tmp_path):
+def test_kserve_manifest_for_the_text_repository(minilm_onnx, tmp_path):
     with pytest.raises(ValueError, match="needs the tokenizers package.*--kserve-image"):
-        write_repository(minilm_export, tmp_path / "repo", name="minilm",
+        write_repository(minilm_onnx, tmp_path / "repo", name="minilm",
                          kserve=KServeOptions("s3://models/minilm"))
     assert not (tmp_path / "repo").exists()
-    written = write_repository(minilm_export, tmp_path / "repo", name="minilm",
+    written = write_repository(minilm_onnx, tmp_path / "repo", name="minilm",
                                kserve=KServeOptions("s3://models/minilm", image="registry/attnx-triton:1", gpus=1))
     import yaml
 
@@ -415,11 +415,11 @@ def test_kserve_manifest_for_the_text_repository(minilm_export, tmp_path):
     assert "kserve.yaml" in (written.root / "README.md").read_text()
 
 
-def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minilm_export, tmp_path):
+def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minilm_onnx, tmp_path):
     import subprocess
 
     def attnx(*args):
-        return subprocess.run([sys.executable, "-m", "attnx.cli.main", "triton-repo", str(minilm_export), *args],
+        return subprocess.run([sys.executable, "-m", "attnx.cli.main", "triton-repo", str(minilm_onnx), *args],
                               capture_output=True, text=True, timeout=180)
 
     run = attnx("-o", str(tmp_path / "repo"), "--kserve-uri", "s3://models/minilm")
@@ -428,7 +428,7 @@ def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minil
     assert not (tmp_path / "repo").exists()
     run = attnx("-o", str(tmp_path / "repo"), "--kserve-uri", "not a uri", "--kserve-image", "img")
     assert run.returncode != 0 and "storage URI 'not a uri'" in run.stderr and not (tmp_path / "repo").exists()
-    run = attnx("-o", str(tmp_path / "repo"), "--pad-multiple", "32", "--kserve-uri", "gs://b/minilm",
+    run = attnx("-o", str(tmp_path / "repo"), "--name", "minilm", "--pad-multiple", "32", "--kserve-uri", "gs://b/minilm",
                 "--kserve-image", "registry/attnx-triton:1")
     assert run.returncode == 0, run.stderr
     assert "call minilm with a BYTES input 'text'" in " ".join(run.stdout.split())
