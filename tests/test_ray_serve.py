@@ -33,9 +33,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                       "RAY_metrics_report_interval_ms": "1000"}.items():
-        os.environ[key] = value  # read by ray.init and inherited by the processes it starts
+    settings = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_metrics_report_interval_ms": "1000"}
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)  # read by ray.init and inherited by the processes it starts
     import ray
     from ray import serve
 
@@ -48,6 +49,11 @@ def ray_cluster():
     finally:
         serve.shutdown()
         ray.shutdown()
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
