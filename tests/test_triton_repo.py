@@ -118,6 +118,44 @@ def test_validator_rejects_what_triton_would(tmp_path):
         validate_config(good.replace("max_batch_size: 4", "max_batch_size: 0") + "dynamic_batching {\n}\n")
 
 
+def test_python_backend_repository_runs_attnx_and_says_what_it_needs(maw_path, tmp_path):
+    """``--backend python``: the model folder holds attnx's runtime model and the ONNX file; the sequence
+    inputs batch ragged (attnx pads them), the mask is optional (attnx fills it). A real Triton runs such
+    repositories in tests/test_triton_server.py."""
+    from attnx.deploy import runtime_model
+
+    run = attnx("triton-repo", str(maw_path), "-o", str(tmp_path / "repo"), "--name", "maw", "--backend", "python")
+    assert run.returncode == 0, run.stderr
+    assert "runs attnx's runtime in Triton's Python backend" in " ".join(run.stdout.split())
+    model_dir = tmp_path / "repo" / "maw"
+    cfg = parse_with_triton_schema(model_dir / "config.pbtxt")
+    assert cfg.backend == "python" and not cfg.platform and cfg.max_batch_size == 32
+    inputs = {t.name: t for t in cfg.input}
+    assert inputs["hidden_states"].allow_ragged_batch and not inputs["hidden_states"].optional
+    assert inputs["attention_mask"].allow_ragged_batch and inputs["attention_mask"].optional
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params == {"model_file": "model.onnx", "max_length_ratio": "1.5"}
+    assert (model_dir / "1" / "model.onnx").read_bytes() == maw_path.read_bytes()
+    assert (model_dir / "1" / "model.py").read_text() == open(runtime_model.__file__).read()
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert "Models run by attnx's runtime (Python backend)" in readme and "numpy<2" in readme
+    dockerfile = (tmp_path / "repo" / "Dockerfile").read_text()
+    assert '"numpy<2"' in dockerfile and "onnxruntime==" in dockerfile and "--no-deps" in dockerfile
+    bad = attnx("triton-repo", str(maw_path), "-o", str(tmp_path / "repo2"), "--backend", "tensorrt")
+    one_line_error(bad, "runs on Triton's onnxruntime backend or attnx's (python), not tensorrt")
+
+
+def test_runtime_model_groups_requests_that_can_share_a_run():
+    from types import SimpleNamespace as Item
+
+    from attnx.deploy.runtime_model import length_groups
+
+    items = [Item(key="a", length=10), Item(key="a", length=40), Item(key="b", length=10), Item(key="a", length=14),
+             Item(key="a", length=12)]
+    assert length_groups(items, 1.5) == [[0, 4, 3], [1], [2]]
+    assert length_groups(items, None) == [[0, 4, 3, 1], [2]]
+
+
 def test_server_config_endpoint_matches_the_repository_config(maw_path):
     session = load(maw_path)
     cfg = model_config("maw", session, max_batch_size=8, max_queue_delay_us=100)

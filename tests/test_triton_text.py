@@ -53,6 +53,10 @@ def _standin_pb_utils():
         def as_numpy(self):
             return self._array
 
+        @classmethod
+        def from_dlpack(cls, name, tensor):
+            return cls(name, np.array(tensor.as_numpy()))
+
     class TritonError:
         UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG = 0, 1, 2, 3
 
@@ -130,7 +134,8 @@ def run_ensemble(repo, ensemble_name, feeds, pb_utils):
     tensors = dict(feeds)
     for step in ensemble.ensemble_scheduling.step:
         folder = repo / step.model_name
-        step_inputs = {key: tensors[value] for key, value in step.input_map.items()}
+        # An optional ensemble input the request left out: Triton runs the step without it.
+        step_inputs = {key: tensors[value] for key, value in step.input_map.items() if value in tensors}
         config = parse_config(folder)
         if config.backend == "python":
             request = pb_utils.InferenceRequest([pb_utils.Tensor(k, v) for k, v in step_inputs.items()])
@@ -151,7 +156,8 @@ def run_ensemble(repo, ensemble_name, feeds, pb_utils):
 
 @pytest.fixture(scope="module")
 def minilm_onnx(minilm_export):
-    return minilm_export().path
+    """The real all-MiniLM-L6-v2 export (mha), shared with the other modules (tests/conftest.py)."""
+    return minilm_export("mha").path
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +276,10 @@ def test_ensemble_validator_rejects_what_triton_would(text_repo):
     broken.output[1].data_type = triton_schema().TYPE_FP16
     with pytest.raises(ConfigError, match="another data type"):
         validate_ensemble(broken, configs)
+    broken.CopyFrom(ensemble)
+    broken.input[0].optional = True  # Triton would run the tokenizer without the text it requires
+    with pytest.raises(ConfigError, match=r"minilm_tokenizer needs \['text'\], which the ensemble lets a request leave out"):
+        validate_ensemble(broken, configs)
 
 
 def test_context_inputs_pass_through_the_ensemble(tmp_path, pb_utils):
@@ -299,6 +309,15 @@ def test_context_inputs_pass_through_the_ensemble(tmp_path, pb_utils):
     for entry in context:
         feeds[entry.name] = rng.standard_normal((len(SHORT), *entry.shape[1:])).astype(np.float32)
     got = run_ensemble(repo, "tiny", feeds, pb_utils)
+    # smal's context inputs default to zeros: optional in the ensemble, through the tokenizer step, which
+    # passes them on; left out, it fills zeros and the model step still gets every input it requires.
+    assert all(t.optional for t in ensemble.input[1:])
+    tokenizer = parse_config(repo / "tiny_tokenizer")
+    assert [(t.name, t.optional) for t in tokenizer.input] == [("text", False), *((e.name, True) for e in context)]
+    assert [t.name for t in tokenizer.output][-len(context):] == [e.name for e in context]
+    assert not any(t.optional for t in parse_config(repo / "tiny_model").input)  # ONNX Runtime fills nothing
+    without = run_ensemble(repo, "tiny", {"text": feeds["text"]}, pb_utils)
+    assert np.abs(without["last_hidden_state"] - got["last_hidden_state"]).max() < 1e-5  # smal is neutral
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     batch = tok(SHORT, padding="max_length", max_length=got["attention_mask"].shape[1], truncation=True,
                 return_tensors="pt")
@@ -317,7 +336,8 @@ def _fake_engine(tmp_path, onnx_path, seq_max):
     engine = tmp_path / "minilm.engine"
     engine.write_bytes(b"ftrt" + bytes(64))
     shutil.copy2(onnx_path, tmp_path / "minilm.onnx")
-    shutil.copytree(onnx_path.with_name("minilm.tokenizer"), tmp_path / "minilm.tokenizer")
+    folder = ModelInfo.read(onnx_path).tokenizer["dir"]  # the ONNX names its tokenizer folder
+    shutil.copytree(onnx_path.parent / folder, tmp_path / folder)
     ids = {"dtype": "int64", "shape": ["batch", "seq"]}
     (tmp_path / "minilm.engine.json").write_text(json.dumps({
         "engine_sha256": sha256_file(engine), "engine_bytes": engine.stat().st_size, "onnx_name": "minilm.onnx",
@@ -343,6 +363,30 @@ def test_engine_text_ensemble_fits_the_engines_profiles(minilm_onnx, tmp_path):
     assert params["max_length"] == "128"
     assert configs["minilm"].output[1].data_type == triton_schema().TYPE_FP16
     validate_ensemble(configs["minilm"], configs)
+
+
+def test_engine_in_the_python_backend_ships_its_sidecar_and_plugin(minilm_onnx, tmp_path):
+    """An attnx engine run by attnx's runtime in Triton's Python backend (no engine runs here: the files
+    and the config are checked; the runtime's engine path is tested with TensorRT in test_engine_*)."""
+    engine = _fake_engine(tmp_path, minilm_onnx, seq_max=256)
+    plugin = tmp_path / "libattnx_plugins.so"
+    plugin.write_bytes(b"\x7fELF fake")
+    written = write_repository(engine, tmp_path / "repo", backend="python", plugin_library=plugin)
+    model = parse_config(written.model_dir)
+    params = {k: v.string_value for k, v in model.parameters.items()}
+    assert model.backend == "python" and not model.platform and written.backend == "python"
+    assert params["model_file"] == "model.plan" and params["plugin_library"] == "plugins/libattnx_plugins.so"
+    assert "onnx_file" not in params  # the sidecar lists the engine's tensors
+    assert model.instance_group[0].kind == triton_schema().ModelInstanceGroup.KIND_GPU
+    version = written.model_dir / "1"
+    assert sorted(p.name for p in version.iterdir()) == ["model.plan", "model.plan.json", "model.py"]
+    assert (version / "model.plan").read_bytes() == engine.read_bytes()
+    assert (written.model_dir / "plugins" / "libattnx_plugins.so").is_file()
+    assert not (written.root / "kserve.yaml").exists()
+    configs = {n: parse_config(written.root / n) for n in written.models}
+    validate_ensemble(configs["minilm"], configs)
+    with pytest.raises(ValueError, match="runs on Triton's tensorrt backend or attnx's"):
+        write_repository(engine, tmp_path / "repo2", backend="onnxruntime")
 
 
 # ----------------------------------------------------------------------------- KServe
@@ -380,7 +424,7 @@ def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minil
     assert not (tmp_path / "repo").exists()
     run = attnx("-o", str(tmp_path / "repo"), "--kserve-uri", "not a uri", "--kserve-image", "img")
     assert run.returncode != 0 and "storage URI 'not a uri'" in run.stderr and not (tmp_path / "repo").exists()
-    run = attnx("-o", str(tmp_path / "repo"), "--pad-multiple", "32", "--kserve-uri", "gs://b/minilm",
+    run = attnx("-o", str(tmp_path / "repo"), "--name", "minilm", "--pad-multiple", "32", "--kserve-uri", "gs://b/minilm",
                 "--kserve-image", "registry/attnx-triton:1")
     assert run.returncode == 0, run.stderr
     assert "call minilm with a BYTES input 'text'" in " ".join(run.stdout.split())
