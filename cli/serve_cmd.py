@@ -25,7 +25,7 @@ def _seq_list(text: str) -> list[int]:
 
 
 def _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens):
-    from attnx.runtime.batcher import BatcherConfig
+    from attnx.runtime.core.batcher import BatcherConfig
 
     try:
         return BatcherConfig(
@@ -130,8 +130,8 @@ def register(app: typer.Typer) -> None:
         batching that pads requests of different lengths; text in for models with a tokenizer."""
         from rich.markup import escape
 
-        from attnx.runtime.axes import AxisError, AxisFlags
-        from attnx.runtime.protocol import Limits
+        from attnx.runtime.core.axes import AxisError, AxisFlags
+        from attnx.runtime.apis.kserve_tensors import Limits
         from attnx.runtime.server import InferenceServer
 
         files = _model_files(models)
@@ -149,7 +149,7 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"{flag} must be >= 1, got {value}")
         limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq, max_texts=max_inputs,
                         max_request_tokens=max_request_tokens)
-        from attnx.runtime.embeddings import Dimensions
+        from attnx.runtime.apis.embeddings import Dimensions
 
         try:
             dims = Dimensions.parse(dimensions, files)
@@ -159,7 +159,7 @@ def register(app: typer.Typer) -> None:
             axes = AxisFlags.parse(batch_axis, seq_axis)
         except AxisError as e:
             raise UserError(str(e)) from None
-        from attnx.runtime.http_guard import HttpLimits
+        from attnx.runtime.wire.http_guard import HttpLimits
 
         try:
             http_limits = HttpLimits(max_header_bytes=int(max_header_kb * 1024), max_headers=max_headers,
@@ -302,8 +302,8 @@ def _specs_from_metadata(meta: dict):
     import numpy as np
 
     from attnx.contract import BATCH, SEQ, default_role
-    from attnx.runtime.protocol import TRITON_TO_NUMPY
-    from attnx.runtime.session import TensorSpec
+    from attnx.runtime.apis.kserve_tensors import TRITON_TO_NUMPY
+    from attnx.runtime.core.session import TensorSpec
 
     specs = []
     for t in meta.get("inputs", []):

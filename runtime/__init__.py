@@ -23,15 +23,15 @@ Public names (see docs/embedding.md for a service embedding them):
   ``serve`` extra (fastapi, uvicorn, prometheus-client).
 """
 
-from attnx.runtime.batcher import (
+from attnx.runtime.core.batcher import (
     BatcherClosedError,
     BatcherConfig,
     DynamicBatcher,
     QueueFullError,
     RequestTimeoutError,
 )
-from attnx.runtime.encode import TextModel
-from attnx.runtime.session import InputError, Session, TensorSpec, load
+from attnx.runtime.core.encode import TextModel
+from attnx.runtime.core.session import InputError, Session, TensorSpec, load
 
 __all__ = [
     "load",

@@ -6,26 +6,26 @@ The unmodified ``tritonclient.http`` and ``tritonclient.grpc`` clients work agai
 - ``GET  /v2/models/{m}[/versions/{v}]`` (model metadata), ``.../ready``, ``.../config``
 - ``POST /v2/models/{m}[/versions/{v}]/infer``: JSON tensors and the binary tensor data extension
 - ``POST /v2/repository/index``; ``GET /metrics`` (Prometheus)
-- the OpenAI embeddings API (``/v1/embeddings``, ``/v1/models``: :mod:`attnx.runtime.openai_api`) and TEI's
-  ``/embed``, ``/predict``, ``/rerank``, ``/info``, ``/health`` (:mod:`attnx.runtime.tei_api`), Cohere/Jina's
-  ``/v1/rerank`` (:mod:`attnx.runtime.rerank_api`) and Infinity's ``/classify``
-  (:mod:`attnx.runtime.classify_api`), on the same batchers and limits; with
-  ``api_key``, a bearer key on everything but health (:mod:`attnx.runtime.auth`)
+- the OpenAI embeddings API (``/v1/embeddings``, ``/v1/models``: :mod:`attnx.runtime.apis.openai`) and TEI's
+  ``/embed``, ``/predict``, ``/rerank``, ``/info``, ``/health`` (:mod:`attnx.runtime.apis.tei`), Cohere/Jina's
+  ``/v1/rerank`` (:mod:`attnx.runtime.apis.rerank`) and Infinity's ``/classify``
+  (:mod:`attnx.runtime.apis.classify`), on the same batchers and limits; with
+  ``api_key``, a bearer key on everything but health (:mod:`attnx.runtime.wire.auth`)
 
-The gRPC service (:mod:`attnx.runtime.grpc_server`) runs beside it when a gRPC port is given.
+The gRPC service (:mod:`attnx.runtime.wire.grpc`) runs beside it when a gRPC port is given.
 Models that carry a tokenizer (or get one with ``tokenizers=``) take text as a ``BYTES`` input.
 
-Each model has a :class:`~attnx.runtime.batcher.DynamicBatcher` (one worker
+Each model has a :class:`~attnx.runtime.core.batcher.DynamicBatcher` (one worker
 thread), so the event loop never waits on compute; bodies over 32 KB are decoded
 and big responses encoded in one codec thread, so it never waits on parsing
 either (health probes stay fast under JSON load). Admission, before the body is
 read: a full queue answers 503 at once, and the bytes of bodies being read and
-decoded are bounded (:class:`~attnx.runtime.admission.ByteBudget`, shared with
+decoded are bounded (:class:`~attnx.runtime.wire.limits.ByteBudget`, shared with
 gRPC). Errors are ``{"error": "..."}``: 400 bad input, 404 unknown model or
 version, 413 body over the limit (or more work than can start before the
-queue deadline, :mod:`~attnx.runtime.pacing`), 422 for a JSON output the request's
+queue deadline, :mod:`~attnx.runtime.core.pacing`), 422 for a JSON output the request's
 inputs drove to NaN/Inf (which JSON cannot carry; binary can), 431 / 408 for a
-request head too large or too slow (:mod:`~attnx.runtime.http_guard`), 503
+request head too large or too slow (:mod:`~attnx.runtime.wire.http_guard`), 503
 overload (queue full, decode budget, queue timeout, shutting down; with
 ``Retry-After``), 500 for bugs. A client
 that disconnects mid-body is counted as ``client_disconnect``, not an error.
@@ -56,25 +56,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import attnx
-import attnx.runtime.http_codec as codec
-import attnx.runtime.protocol as proto
-from attnx.runtime import service
-from attnx.runtime.admission import ByteBudget, declared_length, read_body
-from attnx.runtime.auth import ApiKey, ApiKeyMiddleware, GrpcApiKeyInterceptor
-from attnx.runtime.batcher import BatcherConfig, BatchLayout, DynamicBatcher
-from attnx.runtime.http_guard import HttpLimits, protocol_class
-from attnx.runtime.embeddings import Dimensions, EmbeddingApi
-from attnx.runtime.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from attnx.runtime.openai_api import add_openai_routes
-from attnx.runtime.service import ModelRegistry, ServedModel
-from attnx.runtime.session import Session, load, public_message
-from attnx.runtime.tei_api import add_tei_routes
-from attnx.runtime.rerank_api import add_rerank_routes
-from attnx.runtime.classify_api import add_classify_routes
-from attnx.runtime.completions_api import GenerationApi, add_completion_routes
-from attnx.runtime.generate_api import add_generate_routes
-from attnx.runtime.generation_service import GenerationModel, is_generator
-from attnx.runtime.text import TextTokenizer, prepare_text_model
+import attnx.runtime.apis.kserve_json as codec
+import attnx.runtime.apis.kserve_tensors as proto
+from attnx.runtime.apis import registry as service
+from attnx.runtime.wire.limits import ByteBudget, declared_length, read_body
+from attnx.runtime.wire.auth import ApiKey, ApiKeyMiddleware, GrpcApiKeyInterceptor
+from attnx.runtime.core.batcher import BatcherConfig, BatchLayout, DynamicBatcher
+from attnx.runtime.wire.http_guard import HttpLimits, protocol_class
+from attnx.runtime.apis.embeddings import Dimensions, EmbeddingApi
+from attnx.runtime.wire.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from attnx.runtime.apis.openai import add_openai_routes
+from attnx.runtime.apis.registry import ModelRegistry, ServedModel
+from attnx.runtime.core.session import Session, load, public_message
+from attnx.runtime.apis.tei import add_tei_routes
+from attnx.runtime.apis.rerank import add_rerank_routes
+from attnx.runtime.apis.classify import add_classify_routes
+from attnx.runtime.apis.completions import GenerationApi, add_completion_routes
+from attnx.runtime.apis.generate import add_generate_routes
+from attnx.runtime.apis.generation import GenerationModel, is_generator
+from attnx.runtime.core.text import TextTokenizer, prepare_text_model
 
 SERVER_NAME = "attnx"
 #: Protocol extensions we implement (Triton names).
@@ -247,7 +247,7 @@ def create_app(registry: ModelRegistry, metrics: ServerMetrics, limits: proto.Li
         parse = functools.partial(_decode, body, encoding, header_length, model.signature, limits)
         return await off_loop(parse) if len(body) > _OFFLOAD_PARSE_BYTES or encoding else parse()
 
-    from attnx.runtime.explain import add_explain_routes
+    from attnx.runtime.apis.explain import add_explain_routes
 
     add_explain_routes(app, registry)  # /explain: attention pages computed by the served models
     return app
@@ -301,13 +301,13 @@ class InferenceServer:
     ``models`` maps names to model files or already-loaded sessions. ``port=0``
     takes a free port (the socket is bound here, so there is no race); ``grpc_port`` (0: any free
     one) adds the gRPC service. ``tokenizers`` maps model names (or ``None``: every model) to a
-    tokenizer folder, for files that carry none; ``axes`` (an :class:`~attnx.runtime.axes.AxisFlags`)
+    tokenizer folder, for files that carry none; ``axes`` (an :class:`~attnx.runtime.core.axes.AxisFlags`)
     names batch/sequence axes the file does not. ``on_warning`` hears each start-up warning (a model
     served unbatched), by default the ``attnx.serve`` logger. The OpenAI (``/v1/embeddings``) and TEI
     (``/embed``) routes serve every model with a tokenizer and a sentence embedding; ``dimensions`` (an
-    :class:`~attnx.runtime.embeddings.Dimensions`) says which may be cut shorter. ``api_key``: every route
-    but the health checks, HTTP and gRPC, then needs ``Authorization: Bearer KEY`` (:mod:`attnx.runtime.auth`).
-    ``http_limits`` (:class:`~attnx.runtime.http_guard.HttpLimits`) bounds each connection's request head
+    :class:`~attnx.runtime.apis.embeddings.Dimensions`) says which may be cut shorter. ``api_key``: every route
+    but the health checks, HTTP and gRPC, then needs ``Authorization: Bearer KEY`` (:mod:`attnx.runtime.wire.auth`).
+    ``http_limits`` (:class:`~attnx.runtime.wire.http_guard.HttpLimits`) bounds each connection's request head
     (431), the time to send it (408) and the descriptors idle connections may hold.
     """
 
@@ -342,7 +342,7 @@ class InferenceServer:
         self.budget = ByteBudget(self.limits.decode_budget)  # shared by HTTP and gRPC
         self.warnings: list[str] = []
         tokenizers = dict(tokenizers or {})
-        self.generators: dict = {}  # with-past exports: text generation (attnx.runtime.generation_service)
+        self.generators: dict = {}  # with-past exports: text generation (attnx.runtime.apis.generation)
         for name, model in models.items():
             session = model if isinstance(model, Session) else load(model, device=device, threads=threads, axes=axes)
             folder = tokenizers.get(name, tokenizers.get(None))
@@ -372,8 +372,8 @@ class InferenceServer:
         self.grpc = None
         key = ApiKey(api_key) if api_key else None
         if grpc_port is not None:  # KServe v2 and TEI's tei.v1 on one port
-            from attnx.runtime.grpc_server import GrpcFrontEnd
-            from attnx.runtime.tei_grpc import generic_handlers
+            from attnx.runtime.wire.grpc import GrpcFrontEnd
+            from attnx.runtime.apis.tei_grpc import generic_handlers
 
             self.grpc = GrpcFrontEnd(self.registry, self.metrics, self.limits, host=host, port=grpc_port,
                                      extensions=EXTENSIONS, budget=self.budget,
@@ -407,7 +407,7 @@ class InferenceServer:
 
     def describe(self) -> str:
         """What each model takes and gives, and how its requests are batched (``attnx serve --describe``)."""
-        from attnx.runtime.axes import describe_axes
+        from attnx.runtime.core.axes import describe_axes
 
         lines = []
         for name, m in self.models.items():

@@ -13,7 +13,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from attnx.deploy.loadtest import synthetic_feeds
-from attnx.runtime.session import Session
+from attnx.runtime.core.session import Session
 
 #: One layer is enough to exercise masking and context inputs, and exports fastest.
 EXPORT_KW = {"n_layers": 1}

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from attnx.runtime import BatcherConfig
-from attnx.runtime.pacing import Pace
+from attnx.runtime.core.pacing import Pace
 from conftest_runtime import long_text, minilm_export, running_server
 
 #: 600 texts of ~2,000 words: each is cut to 256 tokens; together ~150k tokens, ~8 MB of text.
@@ -77,7 +77,8 @@ def test_work_queued_ahead_makes_a_request_that_cannot_start_in_time_a_503():
         def queued_parts():
             return [(1, 100)] * 50  # 5,000 tokens ahead
 
-    from attnx.runtime import pacing, protocol
+    from attnx.runtime.apis import kserve_tensors as protocol
+    from attnx.runtime.core import pacing
 
     Batcher.pace.observe(8, 100, 0.8)  # 1,000 tokens/s at this length
     Batcher.queued_parts = staticmethod(lambda: [(1, 100)] * 5)  # 0.5 s ahead: fits

@@ -19,7 +19,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from attnx.runtime import auth, load
+from attnx.runtime import load
+from attnx.runtime.wire import auth
 from conftest_runtime import cosine_rows, minilm_export, running_server, sentence_transformer
 
 KEY = "sk-attnx-test-0123456789"

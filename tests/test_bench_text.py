@@ -12,7 +12,7 @@ import pytest
 
 from attnx.contract import BATCH, SEQ, Role
 from attnx.deploy import loadtest as b
-from attnx.runtime.session import TensorSpec
+from attnx.runtime.core.session import TensorSpec
 
 
 def spec(name, shape, role=Role.CONTEXT, dtype=np.float32):

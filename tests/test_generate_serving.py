@@ -97,8 +97,8 @@ def test_chat_completions_render_the_chat_template(root, client, local):
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     model = local["llm"]
-    from attnx.runtime.generate import stream
-    from attnx.runtime.sampling import SamplingParams
+    from attnx.runtime.core.generate import stream
+    from attnx.runtime.core.sampling import SamplingParams
 
     want = "".join(p.text for p in stream(model.decoder, model.tokenizer, list(ids), SamplingParams(max_new_tokens=10)))
     out = client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=10, temperature=0)

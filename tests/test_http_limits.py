@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from attnx.runtime.http_guard import HttpLimits
+from attnx.runtime.wire.http_guard import HttpLimits
 from conftest_runtime import EXPORT_KW, running_server
 
 HEAD = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n"

@@ -279,7 +279,7 @@ def test_8bit_weights_use_the_full_range_and_say_so(int8_8bit):
         quantize_file(int8_8bit, int8_8bit.with_name("x.onnx"), weight_bits=6)
 
 
-@pytest.mark.skipif(__import__("attnx.runtime.cpu", fromlist=["x"]).saturates_8bit_weights(),
+@pytest.mark.skipif(__import__("attnx.runtime.core.cpu", fromlist=["x"]).saturates_8bit_weights(),
                     reason="this CPU's integer GEMM (AVX2 without VNNI) saturates 8-bit weights: that is why 7 is "
                     "the default")
 def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of, int8_8bit, st):
@@ -293,8 +293,8 @@ def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of,
 
 
 def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, int8_8bit, monkeypatch):
-    from attnx.runtime import cpu
-    from attnx.runtime.backends.onnxrt import OnnxRuntimeSession
+    from attnx.runtime.core import cpu
+    from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession
 
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
     with pytest.warns(RuntimeWarning, match="8-bit int8 weights.*re-export with --int8-weight-bits 7"):
@@ -309,7 +309,7 @@ def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, in
 
 
 def test_cpu_integer_dot_product_names_and_which_cpus_saturate():
-    from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+    from attnx.runtime.core.cpu import int8_dot_product, saturates_8bit_weights
 
     cases = [  # (flags, x86) -> (name starts with, saturates)
         ({"avx2", "avx512bw", "avx512_vnni", "amx_int8"}, True, "AMX", False),
@@ -342,7 +342,7 @@ def test_cli_notes_when_8bit_weights_are_exported_on_a_cpu_that_would_clip_them(
     from typer.testing import CliRunner
 
     from attnx.cli.main import app
-    from attnx.runtime import cpu
+    from attnx.runtime.core import cpu
 
     args = ["export", "--variant", "mha", "--layers", "1", "--int8", "--int8-weight-bits", "8"]
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)

@@ -16,10 +16,10 @@ import httpx
 import numpy as np
 import pytest
 
-import attnx.runtime.http_codec as codec
+import attnx.runtime.apis.kserve_json as codec
 from attnx.runtime import load
-from attnx.runtime.batcher import BatcherConfig
-from attnx.runtime.protocol import BadRequest, Limits
+from attnx.runtime.core.batcher import BatcherConfig
+from attnx.runtime.apis.kserve_tensors import BadRequest, Limits
 from conftest_runtime import EXPORT_KW, GatedSession, request, running_server
 
 

@@ -14,7 +14,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, TextModel, load
-from attnx.runtime.metrics import histogram_counts
+from attnx.runtime.wire.metrics import histogram_counts
 from conftest_runtime import EXPORT_KW, cosine_rows, long_text, minilm_export, running_server, sentence_transformer
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi",
