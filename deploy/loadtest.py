@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
-from attnx.runtime.apis.kserve_tensors import TEXT_INPUT
+from attnx.runtime.core.text import TEXT_INPUT
 from attnx.runtime.core.session import TensorSpec
 
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from attnx.contract import SEQ, Role
 from attnx.deploy.triton import ConfigError, Enum, check_model_name
-from attnx.runtime.apis.kserve_tensors import TEXT_INPUT  # the name `attnx serve` gives its text input too
+from attnx.runtime.core.text import TEXT_INPUT  # the name `attnx serve` gives its text input too
 from attnx.runtime.core.session import TensorSpec
 #: The inputs the tokenizer makes, by role (the names are the model's own).
 ID_ROLES = (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS)

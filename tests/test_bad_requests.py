@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnx.runtime import load
-from attnx.runtime.apis.kserve_tensors import Limits
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, assert_outputs_equal, running_server
 
 MAX_BODY = 256 << 10  # small, so an oversize body is cheap to send

@@ -18,9 +18,9 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.apis.embeddings import Dimensions
+from attnx.runtime.apis.encoding import Dimensions
 from attnx.runtime.wire.metrics import histogram_counts
-from attnx.runtime.apis.kserve_tensors import Limits
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, GatedSession, cosine_rows, long_text, minilm_export, running_server, \
     sentence_transformer
 

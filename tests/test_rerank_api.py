@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from attnx.runtime.apis.kserve_tensors import Limits
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import long_text, running_server
 from scoring_fixtures import cross_encoder, export, neutral_context, reference, sigmoid
 
@@ -271,9 +271,10 @@ def test_kserve_text_pairs_over_http_and_grpc_equal_transformers(models, hf):
 
 def test_a_model_that_scores_no_pairs_refuses_text_pair():
     from attnx.runtime.apis import kserve_tensors as proto
+    from attnx.runtime.wire.errors import ProtocolError
 
     sig = proto.ModelSignature("emb", [], [], 8, None, proto.TextInput("text", 32, "right", pairs=False))
     tensors = [proto.WireTensor("text", "BYTES", [1], {}, data=["a"]),
                proto.WireTensor("text_pair", "BYTES", [1], {}, data=["b"])]
-    with pytest.raises(proto.BadRequest, match="does not score text pairs"):
-        proto.build_infer_request(None, {}, tensors, None, sig, proto.Limits())
+    with pytest.raises(ProtocolError, match="does not score text pairs"):
+        proto.build_infer_request(None, {}, tensors, None, sig, Limits())

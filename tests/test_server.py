@@ -400,7 +400,7 @@ def test_serve_refuses_limits_that_would_fail_every_request(paths, flags, messag
 
 
 def test_limits_that_refuse_every_request_are_a_value_error():
-    from attnx.runtime.apis.kserve_tensors import Limits
+    from attnx.runtime.wire.limits import Limits
 
     for field in ("max_body_bytes", "max_seq", "max_tensor_elements", "max_texts", "max_decode_bytes"):
         with pytest.raises(ValueError, match=f"{field} must be a positive integer"):

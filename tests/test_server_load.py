@@ -19,7 +19,8 @@ import pytest
 import attnx.runtime.apis.kserve_json as codec
 from attnx.runtime import load
 from attnx.runtime.core.batcher import BatcherConfig
-from attnx.runtime.apis.kserve_tensors import BadRequest, Limits
+from attnx.runtime.wire.errors import ProtocolError
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, GatedSession, request, running_server
 
 
@@ -292,7 +293,7 @@ BAD_LISTS = {
 def test_malformed_long_lists_are_refused_as_plain_json_refuses_them(case):
     numbers = b", ".join([b"0.125"] * 100_000)
     body = b'{"inputs": [{"name": "x", "data": [' + numbers + b", " + BAD_LISTS[case] + b", " + numbers + b"]}]}"
-    with pytest.raises(BadRequest, match="malformed request JSON"):
+    with pytest.raises(ProtocolError, match="malformed request JSON"):
         codec.parse_json(body)
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from attnx.runtime import load
-from attnx.runtime.apis.embeddings import Dimensions
-from attnx.runtime.apis.kserve_tensors import Limits
+from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, cosine_rows, long_text, minilm_export, running_server, sentence_transformer
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi"]

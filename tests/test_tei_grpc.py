@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from attnx.runtime.apis.embeddings import Dimensions
-from attnx.runtime.apis.kserve_tensors import Limits
+from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import cosine_rows, long_text, minilm_export, running_server, sentence_transformer
 from scoring_fixtures import export, reference, sigmoid, softmax
 

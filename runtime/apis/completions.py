@@ -1,137 +1,148 @@
 """OpenAI's completions on ``attnx serve``: ``POST /v1/completions`` and ``/v1/chat/completions``, streaming too.
 
 What the unmodified ``openai`` client sends (``client.completions.create``, ``client.chat.completions.create``,
-``stream=True``), for a with-past export:
+``stream=True``), for a with-past export (:class:`~attnx.runtime.apis.requests.CompletionRequest`,
+:class:`~attnx.runtime.apis.requests.ChatRequest`):
 
 - ``/v1/completions``: ``prompt`` (a string, a list of them, token ids or a list of such lists), ``max_tokens``
   (default 16), ``temperature`` (default 1: sampled; 0: greedy), ``top_p``, ``n``, ``stop``, ``seed``,
   ``echo``, ``stream`` and ``stream_options.include_usage``; ``logprobs``, ``presence_penalty`` and
   ``frequency_penalty`` other than off are refused (400), not ignored;
-- ``/v1/chat/completions``: ``messages`` rendered by the model's chat template (its tokenizer folder's
-  ``chat_template``; a model without one answers 400), ``max_tokens`` / ``max_completion_tokens``;
+- ``/v1/chat/completions``: ``messages`` (and ``tools``) rendered by the model's chat template as transformers
+  renders it (:mod:`attnx.runtime.core.chat`; a model without one answers 400), ``max_tokens`` /
+  ``max_completion_tokens`` (default: until the model's positions run out);
 - attnx's extensions (``extra_body``): ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``context`` (a
   placed variant's context inputs, ``{name: one row}``).
 
 Streams are server-sent events of ``text_completion`` / ``chat.completion.chunk`` objects ending with
 ``data: [DONE]``. Every choice of every request joins the model's step-level batch on its own
-(:mod:`attnx.runtime.core.scheduler`). Errors are OpenAI's shape (:func:`attnx.runtime.apis.openai.error_response`):
-400 with ``param``, 404 unknown model, 429 queue full, 503 shutting down.
+(:mod:`attnx.runtime.core.scheduler`); ``n`` x prompts past what the queue holds is a 413. Errors are OpenAI's
+shape (the OpenAI table of :mod:`attnx.runtime.wire.errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
-from attnx.runtime.apis import kserve_tensors as proto
-from attnx.runtime.apis.generate import SSE_HEADERS, parse_context
-from attnx.runtime.apis.generation import (MAX_CHOICES, GenerationModel, ParamProblem, complete, number, pieces,
-                                              render_chat, sampling)
-from attnx.runtime.apis.openai import error_response
-from attnx.runtime.core.session import public_message
+from attnx.runtime.apis.generation import GenerationModel, check_choices, complete, pieces, sampling
+from attnx.runtime.apis.registry import GENERATE
+from attnx.runtime.apis.requests import ChatRequest, CompletionRequest, items, openapi_body, parse
+from attnx.runtime.wire.envelope import Call
+from attnx.runtime.wire.errors import OPENAI_SHAPE, ProtocolError
+from attnx.runtime.wire.http import Serving, serving
 
-log = logging.getLogger("attnx.serve")
-
-
-class _Internal(proto.ProtocolError):
-    status = 500
-    reason = "internal"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+router = APIRouter(tags=["OpenAI"])
 
 
-class GenerationApi:
-    """The served decoders, with the server's body limits and metrics (shared with the embedding routes)."""
-
-    def __init__(self, models: dict[str, GenerationModel], embeddings):
-        self.models = models
-        self._embeddings = embeddings  # attnx.runtime.apis.embeddings.EmbeddingApi: read_json, metrics
-        self.started = int(time.time())
-
-    async def read_json(self, request: Request) -> Any:
-        return await self._embeddings.read_json(request)
-
-    def model(self, name: Any) -> GenerationModel:
-        if name is None or name == "":
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
-            raise ParamProblem(f"this server has several text generation models {sorted(self.models)}: name one in "
-                               "'model'" if self.models else "this server has no text generation model", "model")
-        if not isinstance(name, str):
-            raise ParamProblem("'model' must be a string", "model")
-        model = self.models.get(name)
-        if model is None:
-            raise proto.NotFound(f"The model {name!r} does not exist on this server or does not generate text; its "
-                                 f"text generation models are {sorted(self.models)}")
-        return model
-
-    async def answer(self, label: str | Callable[[], str], run: Callable[[], Awaitable[Response]],
-                     error: Callable[[proto.ProtocolError], Response]) -> Response:
-        """Run one request with the server's metrics (``label``: the model's name, or a function giving it once
-        the body named it); every failure becomes ``error(...)``, never a crash."""
-        metrics = self._embeddings.metrics
-        started = time.perf_counter()
-
-        def name() -> str:
-            found = label() if callable(label) else label
-            return found if found in self.models else "_unknown_"  # bounded label cardinality
-
-        try:
-            response = await run()
-        except proto.ProtocolError as e:
-            metrics.failure(name(), e.reason)
-            return error(e)
-        except Exception as e:  # noqa: BLE001 - the server never dies on a request
-            log.exception("internal error in a generation request")
-            metrics.failure(name(), "internal")
-            return error(_Internal(f"internal error: {type(e).__name__}: {public_message(str(e))}"))
-        metrics.success(name(), time.perf_counter() - started)
-        return response
-
-    @staticmethod
-    async def first(stream: AsyncIterator):
-        """The first piece of a stream: a refused request raises here, before any event is sent."""
-        return await anext(stream)
+@router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+async def completions(request: Request):
+    return await _serve(request, CompletionRequest)
 
 
-def _prompts(value: Any) -> list[Any]:
-    if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
-        return list(value)
-    raise ParamProblem("'prompt' must be a string, a list of strings, token ids or a list of token-id lists",
-                       "prompt")
+@router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
+async def chat_completions(request: Request):
+    return await _serve(request, ChatRequest)
 
 
-def _unsupported(body: dict) -> None:
-    for key in ("presence_penalty", "frequency_penalty"):
-        if number(body, key, 0.0) != 0.0:
-            raise ParamProblem(f"'{key}' is not supported (use 'repetition_penalty')", key)
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise ParamProblem("'logprobs' is not supported", "logprobs")
-    if body.get("best_of") not in (None, 1):
-        raise ParamProblem("'best_of' is not supported", "best_of")
+async def _serve(request: Request, kind: type) -> Response:
+    s = serving(request)
+
+    async def work(call: Call) -> Response:
+        body = await s.envelope.body(request, call, lambda raw: parse(kind, raw))
+        model = call.named(s.registry.pick(body.model, GENERATE))
+        return await _answer(s, request, model, body)
+
+    return await s.envelope.http(request, OPENAI_SHAPE, work)
 
 
-def _requests(model: GenerationModel, body: dict, prompts: list[list[int]], max_key: str):
-    """(prompt ids, params) per choice, in OpenAI's order: each prompt's ``n`` choices together."""
-    n = number(body, "n", 1, integer=True)
-    if n < 1 or n * len(prompts) > MAX_CHOICES:
-        raise ParamProblem(f"'n' times the prompts must be 1..{MAX_CHOICES}, got {n * len(prompts)}", "n")
-    seed = number(body, "seed", integer=True)
-    base = sampling(number(body, max_key, integer=True), number(body, "temperature"), number(body, "top_p"),
-                    number(body, "top_k", integer=True), number(body, "repetition_penalty"), body.get("stop"), seed,
-                    bool(body.get("ignore_eos")), names={"max_new_tokens": max_key})
+async def _answer(s: Serving, request: Request, model: GenerationModel, body) -> Response:
+    chat, workers = isinstance(body, ChatRequest), s.envelope.workers
+    if chat:
+        messages = [m.model_dump(exclude_none=False) for m in body.messages]
+        text = await model.render(s.chat, messages, body.tools, workers)
+        prompts = [await model.prompt_ids(text, workers, "messages", special=False)]
+        max_key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens or body.max_tokens or model.decoder.max_positions or 4096
+    else:
+        prompts = [await model.prompt_ids(p, workers) for p in items(body.prompt)]
+        max_key, max_tokens = "max_tokens", body.max_tokens or model.decoder.max_positions or 4096
+    check_choices(model, body.n * len(prompts))
+    base = sampling(body, max_tokens, names={"max_new_tokens": max_key})
+    # each prompt's n choices together, in OpenAI's order; a seed gives choice j the seed + j
+    choices = [(ids, base if body.seed is None or j == 0 else base.with_(seed=body.seed + j))
+               for ids in prompts for j in range(body.n)]
+    context = model.context(body.context)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model.name}
+    echo = getattr(body, "echo", False)
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return await _stream(model, choices, context, head, chat, echo, include_usage)
+    done = await asyncio.gather(*(complete(model, ids, params, context, request) for ids, params in choices))
     out = []
-    for ids in prompts:
-        for j in range(n):
-            out.append((ids, base if seed is None or j == 0 else base.with_(seed=seed + j)))
-    return out
+    for i, ((ids, _), c) in enumerate(zip(choices, done)):
+        text = (model.tokenizer.decode(ids) + c.text) if echo else c.text
+        item = {"index": i, "finish_reason": c.finish_reason, "logprobs": None}
+        item.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        out.append(item)
+    usage = _usage(sum(len(ids) for ids in prompts), sum(len(c.tokens) for c in done))
+    return Response(json.dumps({**head, "choices": out, "usage": usage}), media_type="application/json")
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream(model: GenerationModel, choices, context, head: dict, chat: bool, echo: bool,
+                  include_usage: bool) -> Response:
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    merged = _merged(model, choices, context)
+    first = await anext(merged)  # a refused request is a status code, not an event
+
+    def chunk(i, text=None, reason=None, role=False):
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        return {**head, "choices": [{"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+
+    async def events():
+        counts = [0] * len(choices)
+        try:
+            for i, (ids, _) in enumerate(choices):
+                if chat or echo:
+                    yield _sse(chunk(i, role=True) if chat else chunk(i, model.tokenizer.decode(ids)))
+            item = first
+            while item is not None:
+                i, piece = item
+                counts[i] += piece.token is not None
+                if piece.text:
+                    yield _sse(chunk(i, piece.text))
+                if piece.finish_reason:
+                    yield _sse(chunk(i, "" if chat else None, piece.finish_reason))
+                item = await anext(merged, None)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(sum(len(ids) for ids, _ in choices), sum(counts))})
+            yield "data: [DONE]\n\n"
+        except ProtocolError as e:
+            status, body, _ = OPENAI_SHAPE.http(e)
+            yield f"data: {body.decode()}\n\n"
+        finally:
+            await merged.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _merged(model: GenerationModel, choices, context) -> AsyncIterator[tuple[int, Any]]:
@@ -141,7 +152,6 @@ async def _merged(model: GenerationModel, choices, context) -> AsyncIterator[tup
             yield 0, piece
         return
     queue: asyncio.Queue = asyncio.Queue()
-    streams = [pieces(model, ids, params, context) for ids, params in choices]
 
     async def pump(i, stream):
         try:
@@ -152,7 +162,8 @@ async def _merged(model: GenerationModel, choices, context) -> AsyncIterator[tup
         finally:
             await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.ensure_future(pump(i, pieces(model, ids, params, context))) for i, (ids, params) in
+             enumerate(choices)]
     try:
         open_ = len(tasks)
         while open_:
@@ -166,116 +177,3 @@ async def _merged(model: GenerationModel, choices, context) -> AsyncIterator[tup
     finally:
         for t in tasks:
             t.cancel()
-
-
-def add_completion_routes(app: FastAPI, service: GenerationApi) -> None:
-    async def body_of(request: Request) -> dict:
-        body = await service.read_json(request)
-        if not isinstance(body, dict):
-            raise ParamProblem("the body must be a JSON object")
-        _unsupported(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ParamProblem("'stream' must be a boolean", "stream")
-        return body
-
-    def usage(prompt: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    async def serve(request: Request, chat: bool) -> Response:
-        label = "_unknown_"
-
-        async def run() -> Response:
-            nonlocal label
-            body = await body_of(request)
-            model = service.model(body.get("model"))
-            label = model.name
-            if chat:
-                text = render_chat(model, body.get("messages"), body.get("tools"))
-                prompts = [model.prompt_ids(text, "messages", special=False)]
-                max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-            else:
-                prompts = [model.prompt_ids(p) for p in _prompts(body.get("prompt"))]
-                max_key = "max_tokens"
-            for ids in prompts:
-                model.check_prompt(ids, "messages" if chat else "prompt")
-            choices = _requests(model, body, prompts, max_key)
-            context = parse_context(body.get("context"), model)
-            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            created, kind = int(time.time()), "chat.completion" if chat else "text_completion"
-            echo = bool(body.get("echo")) and not chat
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                return await stream(model, choices, context, rid, created, chat, echo, include_usage)
-            done = await asyncio.gather(*(complete(model, ids, params, context, request) for ids, params in choices))
-            out = []
-            for i, ((ids, _), c) in enumerate(zip(choices, done)):
-                text = (model.tokenizer.decode(ids) + c.text) if echo else c.text
-                item = {"index": i, "finish_reason": c.finish_reason}
-                if chat:
-                    item["message"] = {"role": "assistant", "content": text}
-                    item["logprobs"] = None
-                else:
-                    item.update(text=text, logprobs=None)
-                out.append(item)
-            prompt_tokens = sum(len(ids) for ids in prompts)
-            body_out = {"id": rid, "object": kind, "created": created, "model": model.name, "choices": out,
-                        "usage": usage(prompt_tokens, sum(len(c.tokens) for c in done))}
-            return Response(json.dumps(body_out), media_type="application/json")
-
-        return await service.answer(lambda: label, run, error_response)
-
-    async def stream(model, choices, context, rid, created, chat, echo, include_usage) -> Response:
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        merged = _merged(model, choices, context)
-        first = await service.first(merged)  # a refused request is a status code, not an event
-
-        def chunk(i, text=None, reason=None, role=False):
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-            else:
-                choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}
-            return {"id": rid, "object": kind, "created": created, "model": model.name, "choices": [choice]}
-
-        async def events():
-            counts = [0] * len(choices)
-            try:
-                for i, (ids, _) in enumerate(choices):
-                    if chat:
-                        yield sse(chunk(i, role=True))
-                    elif echo:
-                        yield sse(chunk(i, model.tokenizer.decode(ids)))
-                item = first
-                while item is not None:
-                    i, piece = item
-                    counts[i] += piece.token is not None
-                    if piece.text or piece.finish_reason:
-                        if piece.text:
-                            yield sse(chunk(i, piece.text))
-                        if piece.finish_reason:
-                            yield sse(chunk(i, "" if chat else None, piece.finish_reason))
-                    item = await anext(merged, None)
-                if include_usage:
-                    prompt = sum(len(ids) for ids, _ in choices)
-                    yield sse({"id": rid, "object": kind, "created": created, "model": model.name, "choices": [],
-                               "usage": usage(prompt, sum(counts))})
-                yield "data: [DONE]\n\n"
-            except proto.ProtocolError as e:
-                yield sse({"error": {"message": e.message, "type": "server_error" if e.status >= 500 else
-                                     "invalid_request_error", "param": getattr(e, "param", None), "code": None}})
-            finally:
-                await merged.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await serve(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await serve(request, chat=True)

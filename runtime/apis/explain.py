@@ -1,7 +1,5 @@
 """The server's attention pages: ``/explain`` computed with the deployed model.
 
-    add_explain_routes(app, registry)      # in create_app
-
 - ``GET /explain``: the served models that return attention patterns, with a text box each.
 - ``GET /explain/{model}?text=...``: the attention page (:mod:`attnx.interp.page`) for that text,
   computed by the model's own batcher (the request names the ``attentions.{i}`` outputs, so it
@@ -17,15 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import html
+import weakref
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from attnx.contract import ContractError, ModelInfo, contained, read_sidecar
-from attnx.runtime.apis import kserve_tensors as proto
+from attnx.runtime.apis.registry import INFER
 from attnx.runtime.core.batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
 from attnx.runtime.core.session import InputError
+from attnx.runtime.wire.envelope import error_response
+from attnx.runtime.wire.errors import KSERVE, Kind, ProtocolError, bad_input
+from attnx.runtime.wire.http import serving
 
 #: Longest text the page accepts (characters); the tokenizer truncates to the model's max length anyway.
 MAX_TEXT_CHARS = 20_000
@@ -87,67 +89,77 @@ class _BatcherSource:
         return self.encoder
 
 
-def add_explain_routes(app: FastAPI, registry) -> None:
-    """Add the ``/explain`` routes for the models of ``registry`` (see the module docstring)."""
-    cache: dict[str, _Explainable] = {}
+router = APIRouter(tags=["Attention pages"])
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> {model name: _Explainable}
 
-    def explainable(name: str) -> _Explainable:
-        from attnx.interp.source import ExplainError
 
-        model = registry.get(name)  # 404 for an unknown model
-        if name not in cache:
-            try:
-                cache[name] = _Explainable(model)
-            except (ExplainError, ContractError, FileNotFoundError) as e:
-                raise proto.BadRequest(str(e)) from None
-        return cache[name]
+def explainable(registry, name: str) -> _Explainable:
+    from attnx.interp.source import ExplainError
 
-    @app.get("/explain")
-    async def explain_index():
-        items = []
-        for name, model in registry.models.items():
-            try:
-                explainable(name)
-                items.append(f'<li><form method="get" action="/explain/{html.escape(name)}"><b>{html.escape(name)}'
-                             f'</b> <input name="text" size="60" value="The cat sat on the mat."> '
-                             f'<button type="submit">explain</button></form></li>')
-            except proto.ProtocolError as e:
-                items.append(f"<li><b>{html.escape(name)}</b>: {html.escape(e.message)}</li>")
-        body = "\n".join(items) or "<li>no models</li>"
-        return HTMLResponse(f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>attnx explain"
-                            f"</title></head><body><h1>attnx: attention of the served models</h1><ul>{body}</ul>"
-                            "</body></html>")
+    model = registry.get(name)  # 404 for an unknown model
+    cache = _CACHE.setdefault(registry, {})
+    if name not in cache:
+        if INFER not in model.capabilities:
+            raise bad_input(f"model {name!r} generates text; its attention is not served as a page")
+        try:
+            cache[name] = _Explainable(model)
+        except (ExplainError, ContractError, FileNotFoundError) as e:
+            raise bad_input(str(e)) from None
+    return cache[name]
 
-    @app.get("/explain/{name}/info")
-    async def explain_info(name: str):
-        ex = explainable(name)
-        return JSONResponse({"metadata": ex.info.to_props(),
-                             "tokenizer_json": ex.tokenizer_path.read_text(encoding="utf-8")})
 
-    @app.get("/explain/{name}")
-    async def explain_page(name: str, text: str = "The cat sat on the mat.", layer: int | None = None):
+@router.get("/explain")
+async def explain_index(request: Request):
+    registry = serving(request).registry
+    items = []
+    for name in registry.models:
+        try:
+            explainable(registry, name)
+            items.append(f'<li><form method="get" action="/explain/{html.escape(name)}"><b>{html.escape(name)}'
+                         f'</b> <input name="text" size="60" value="The cat sat on the mat."> '
+                         f'<button type="submit">explain</button></form></li>')
+        except ProtocolError as e:
+            items.append(f"<li><b>{html.escape(name)}</b>: {html.escape(e.message)}</li>")
+    body = "\n".join(items) or "<li>no models</li>"
+    return HTMLResponse(f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>attnx explain"
+                        f"</title></head><body><h1>attnx: attention of the served models</h1><ul>{body}</ul>"
+                        "</body></html>")
+
+
+@router.get("/explain/{name}/info")
+async def explain_info(name: str, request: Request):
+    try:
+        ex = explainable(serving(request).registry, name)
+    except ProtocolError as e:
+        return error_response(KSERVE, e)
+    return JSONResponse({"metadata": ex.info.to_props(),
+                         "tokenizer_json": ex.tokenizer_path.read_text(encoding="utf-8")})
+
+
+@router.get("/explain/{name}")
+async def explain_page(name: str, request: Request, text: str = "The cat sat on the mat.", layer: int | None = None):
+    s = serving(request)
+
+    async def work(call):
         from attnx.interp.explain import explain
         from attnx.interp.page import explanation_page
         from attnx.interp.source import ExplainError
 
-        ex = explainable(name)
+        ex = explainable(s.registry, name)
+        call.named(s.registry.get(name))
         if not text.strip():
-            raise proto.BadRequest("text is empty")
+            raise bad_input("text is empty", "text")
         if len(text) > MAX_TEXT_CHARS:
-            raise proto.BadRequest(f"text of {len(text)} characters is over the page's limit of {MAX_TEXT_CHARS}")
-        source = _BatcherSource(registry.get(name), ex)
+            raise bad_input(f"text of {len(text)} characters is over the page's limit of {MAX_TEXT_CHARS}", "text")
+        source = _BatcherSource(s.registry.get(name), ex)
         try:
-            layers = None if layer is None else [layer]
-            result = await asyncio.to_thread(explain, source, [text], layers=layers)
+            result = await asyncio.to_thread(explain, source, [text], layers=None if layer is None else [layer])
         except (ExplainError, InputError) as e:
-            raise proto.BadRequest(str(e)) from None
+            raise bad_input(str(e)) from None
         except (QueueFullError, BatcherClosedError, RequestTimeoutError) as e:
-            raise _Busy(str(e)) from None
+            raise ProtocolError(Kind.OVERLOADED, str(e)) from None
         page = await asyncio.to_thread(explanation_page, result, title=f"attention: {name} (served)",
                                        form_action=f"/explain/{name}")
         return HTMLResponse(page)
 
-
-class _Busy(proto.ProtocolError):
-    status = 503
-    reason = "overload"
+    return await s.envelope.http(request, KSERVE, work)

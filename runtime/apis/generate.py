@@ -2,128 +2,95 @@
 
 What Triton (with TensorRT-LLM or vLLM behind it) answers, for a with-past export:
 
-- request: a JSON object with ``text_input`` and, at the top level or under ``parameters`` (both
-  appear in the wild), ``max_tokens``, ``temperature`` (0 or absent: greedy), ``top_k``, ``top_p``,
-  ``repetition_penalty``, ``stop`` / ``stop_words``, ``seed`` / ``random_seed``, ``ignore_eos``, and a
-  placed variant's context inputs under ``context`` (``{name: one row}``);
+- request (:class:`~attnx.runtime.apis.requests.GenerateRequest`): a JSON object with ``text_input`` and, at
+  the top level or under ``parameters`` (both appear in the wild), ``max_tokens``, ``temperature`` (0 or
+  absent: greedy), ``top_k``, ``top_p``, ``repetition_penalty``, ``stop`` / ``stop_words``, ``seed`` /
+  ``random_seed``, ``ignore_eos``, and a placed variant's context inputs under ``context`` (``{name: one row}``);
 - ``generate``: ``{"model_name", "model_version", "text_output", "finish_reason", "prompt_tokens",
   "completion_tokens"}``;
 - ``generate_stream``: server-sent events, one ``data: {...}`` per piece of text (``text_output`` is the
   new piece), the last with ``finish_reason``; a failure mid-stream is an event ``{"error": "..."}``.
 
-Errors are ``{"error": "..."}``: 400 bad parameters (a negative ``max_tokens``, ``top_p`` > 1, a prompt
-longer than the model's positions...), 404 an unknown model, 503 a full queue or shutting down.
+Errors are KServe's ``{"error": "..."}`` (the KServe table of :mod:`attnx.runtime.wire.errors`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
 
-import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
-from attnx.runtime.apis import kserve_tensors as proto
-from attnx.runtime.apis.generation import (GenerationModel, ParamProblem, complete, number, pieces, sampling)
+from attnx.runtime.apis.completions import SSE_HEADERS
+from attnx.runtime.apis.generation import GenerationModel, check_choices, complete, pieces, sampling
+from attnx.runtime.apis.registry import GENERATE
+from attnx.runtime.apis.requests import GenerateRequest, openapi_body, parse
+from attnx.runtime.wire.envelope import Call
+from attnx.runtime.wire.errors import KSERVE, ProtocolError, bad_input
+from attnx.runtime.wire.http import Serving, serving
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def parse_context(value: Any, model: GenerationModel) -> dict[str, np.ndarray] | None:
-    """``{name: one row}`` -> arrays of the model's context inputs (checked again by the decoder)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ParamProblem("'context' must be an object {input name: value}", "context")
-    specs = {s.name: s for s in model.decoder.context_inputs}
-    out = {}
-    for name, v in value.items():
-        if name not in specs:
-            raise ParamProblem(f"'context': unknown input {name!r}; the model takes {sorted(specs) or 'none'}",
-                               "context")
-        try:
-            out[name] = np.asarray(v, dtype=specs[name].dtype)
-        except (TypeError, ValueError):
-            raise ParamProblem(f"'context': {name!r} is not a (nested) list of numbers", "context") from None
-    return out
+router = APIRouter(tags=["Triton generate"])
 
 
-def _params(body: Mapping) -> dict:
-    inner = body.get("parameters") or {}
-    if not isinstance(inner, dict):
-        raise ParamProblem("'parameters' must be an object", "parameters")
-    return {**inner, **{k: v for k, v in body.items() if k != "parameters"}}
+async def _parse(s: Serving, call: Call, request: Request, name: str, version: str | None):
+    model = call.named(s.registry.get(name, version))
+    if GENERATE not in model.capabilities:
+        raise bad_input(model.unfit(GENERATE), "model")
+    body = await s.envelope.body(request, call, lambda raw: parse(GenerateRequest, raw))
+    text = body.text_input
+    if isinstance(text, list):  # a batch of one, as tritonclient sends a [1] tensor
+        if len(text) != 1:
+            raise bad_input(f"'text_input' must be one string, got {len(text)}", "text_input")
+        text = text[0]
+    ids = await model.prompt_ids(text, s.envelope.workers, "text_input")
+    check_choices(model, 1)
+    return model, ids, sampling(body, body.max_tokens or 16), model.context(body.context)
 
 
-def add_generate_routes(app: FastAPI, service) -> None:
-    """``service``: :class:`attnx.runtime.apis.completions.GenerationApi` (models, body limits, metrics)."""
+def _answer(model: GenerationModel, **fields) -> dict:
+    return {"model_name": model.name, "model_version": model.version, **fields}
 
-    def error(e: proto.ProtocolError) -> Response:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return Response(json.dumps({"error": e.message}), status_code=e.status, media_type="application/json",
-                        headers=headers)
 
-    async def parse(name: str, request: Request):
-        model = service.model(name)
-        body = await service.read_json(request)
-        if not isinstance(body, dict):
-            raise ParamProblem("the body must be a JSON object")
-        fields = _params(body)
-        text = fields.get("text_input")
-        if isinstance(text, list) and len(text) == 1:  # a batch of one, as tritonclient sends a [1] tensor
-            text = text[0]
-        if not isinstance(text, str):
-            raise ParamProblem("'text_input' must be a string", "text_input")
-        ids = model.prompt_ids(text, "text_input")
-        model.check_prompt(ids, "text_input")
-        stop = fields.get("stop", fields.get("stop_words"))
-        seed = number(fields, "seed", integer=True)
-        seed = number(fields, "random_seed", integer=True) if seed is None else seed
-        params = sampling(number(fields, "max_tokens", integer=True), number(fields, "temperature", 0.0),
-                          number(fields, "top_p"), number(fields, "top_k", integer=True),
-                          number(fields, "repetition_penalty"), stop or None, seed, bool(fields.get("ignore_eos")))
-        return model, ids, params, parse_context(fields.get("context"), model)
+@router.post("/v2/models/{name}/generate", openapi_extra=openapi_body(GenerateRequest))
+@router.post("/v2/models/{name}/versions/{version}/generate", openapi_extra=openapi_body(GenerateRequest))
+async def generate(name: str, request: Request, version: str | None = None):
+    s = serving(request)
 
-    def answer(model: GenerationModel, **fields) -> dict:
-        return {"model_name": model.name, "model_version": "1", **fields}
+    async def work(call: Call) -> Response:
+        model, ids, params, context = await _parse(s, call, request, name, version)
+        done = await complete(model, ids, params, context, request)
+        return Response(json.dumps(_answer(model, text_output=done.text, finish_reason=done.finish_reason,
+                                           prompt_tokens=done.prompt_tokens, completion_tokens=len(done.tokens))),
+                        media_type="application/json")
 
-    @app.post("/v2/models/{name}/generate")
-    @app.post("/v2/models/{name}/versions/{version}/generate")
-    async def generate(name: str, request: Request, version: str | None = None):
-        async def run():
-            model, ids, params, context = await parse(name, request)
-            done = await complete(model, ids, params, context, request)
-            return Response(json.dumps(answer(model, text_output=done.text, finish_reason=done.finish_reason,
-                                              prompt_tokens=done.prompt_tokens,
-                                              completion_tokens=len(done.tokens))),
-                            media_type="application/json")
+    return await s.envelope.http(request, KSERVE, work)
 
-        return await service.answer(name, run, error)
 
-    @app.post("/v2/models/{name}/generate_stream")
-    @app.post("/v2/models/{name}/versions/{version}/generate_stream")
-    async def generate_stream(name: str, request: Request, version: str | None = None):
-        async def run():
-            model, ids, params, context = await parse(name, request)
-            stream = pieces(model, ids, params, context)
-            first = await service.first(stream)  # a refused request is a status code, not an event
+@router.post("/v2/models/{name}/generate_stream", openapi_extra=openapi_body(GenerateRequest))
+@router.post("/v2/models/{name}/versions/{version}/generate_stream", openapi_extra=openapi_body(GenerateRequest))
+async def generate_stream(name: str, request: Request, version: str | None = None):
+    s = serving(request)
 
-            async def events():
-                try:
-                    piece = first
-                    while piece is not None:
-                        if piece.text or piece.finish_reason:
-                            event = answer(model, text_output=piece.text)
-                            if piece.finish_reason:
-                                event["finish_reason"] = piece.finish_reason
-                            yield f"data: {json.dumps(event)}\n\n"
-                        piece = await anext(stream, None)
-                except proto.ProtocolError as e:
-                    yield f"data: {json.dumps({'error': e.message})}\n\n"
-                finally:
-                    await stream.aclose()
+    async def work(call: Call) -> Response:
+        model, ids, params, context = await _parse(s, call, request, name, version)
+        stream = pieces(model, ids, params, context)
+        first = await anext(stream)  # a refused request is a status code, not an event
 
-            return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+        async def events():
+            try:
+                piece = first
+                while piece is not None:
+                    if piece.text or piece.finish_reason:
+                        event = _answer(model, text_output=piece.text)
+                        if piece.finish_reason:
+                            event["finish_reason"] = piece.finish_reason
+                        yield f"data: {json.dumps(event)}\n\n"
+                    piece = await anext(stream, None)
+            except ProtocolError as e:
+                yield f"data: {json.dumps({'error': e.message})}\n\n"
+            finally:
+                await stream.aclose()
 
-        return await service.answer(name, run, error)
+        return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    return await s.envelope.http(request, KSERVE, work)

@@ -12,7 +12,6 @@ goes as JSON strings, or binary as 4-byte little-endian lengths each followed by
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -22,17 +21,10 @@ from typing import Any, Iterator
 import numpy as np
 import orjson
 
-from attnx.runtime.apis.kserve_tensors import (
-    BadRequest,
-    ProtocolError,
-    InferRequest,
-    Limits,
-    ModelSignature,
-    TooLarge,
-    WireTensor,
-    build_infer_request,
-    triton_dtype,
-)
+from attnx.runtime.apis.kserve_tensors import InferRequest, ModelSignature, WireTensor, build_infer_request, \
+    triton_dtype
+from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, too_large
+from attnx.runtime.wire.limits import Limits
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -41,16 +33,16 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         return body
     enc = encoding.lower()
     if enc not in ("gzip", "deflate"):
-        raise BadRequest(f"unsupported Content-Encoding {encoding!r} (gzip, deflate or none)")
+        raise bad_input(f"unsupported Content-Encoding {encoding!r} (gzip, deflate or none)")
     d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
     try:
         out = d.decompress(body, limit + 1)
     except zlib.error as e:
-        raise BadRequest(f"cannot decompress the {enc} body: {e}") from None
+        raise bad_input(f"cannot decompress the {enc} body: {e}") from None
     if len(out) > limit:
-        raise TooLarge(f"decompressed body exceeds the limit of {limit} bytes")
+        raise too_large(f"decompressed body exceeds the limit of {limit} bytes")
     if not d.eof:
-        raise BadRequest(f"truncated {enc} body")
+        raise bad_input(f"truncated {enc} body")
     return out
 
 
@@ -60,10 +52,10 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
         return body, b""
     text = header_length.strip()
     if not text.isdigit():
-        raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer, got {header_length!r}")
+        raise bad_input(f"Inference-Header-Content-Length must be a non-negative integer, got {header_length!r}")
     n = int(text)
     if n == 0 or n > len(body):
-        raise BadRequest(f"Inference-Header-Content-Length {n} is outside the body (length {len(body)})")
+        raise bad_input(f"Inference-Header-Content-Length {n} is outside the body (length {len(body)})")
     return body[:n], body[n:]
 
 
@@ -121,10 +113,10 @@ def _loads(part) -> Any:
     except orjson.JSONDecodeError as e:
         message = str(e)
         if "UTF-8" in message or "surrogate" in message:
-            raise BadRequest(f"request JSON is not valid UTF-8 ({message})") from None
+            raise bad_input(f"request JSON is not valid UTF-8 ({message})") from None
         if "depth limit" in message:
-            raise BadRequest("request JSON is nested too deeply") from None
-        raise BadRequest(f"malformed request JSON: {message}") from None
+            raise bad_input("request JSON is nested too deeply") from None
+        raise bad_input(f"malformed request JSON: {message}") from None
 
 
 def parse_json(part) -> Any:
@@ -189,36 +181,36 @@ def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignat
     json_part, binary_part = split_body(body, header_length)
     try:
         req = parse_json(json_part)
-    except BadRequest as e:
+    except ProtocolError as e:
         if header_length is None and b"binary_data_size" in body:
-            raise BadRequest(f"{e.message} (binary tensor data needs the Inference-Header-Content-Length header)")
+            raise bad_input(f"{e.message} (binary tensor data needs the Inference-Header-Content-Length header)")
         raise
     if not isinstance(req, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise bad_input("request body must be a JSON object")
     inputs = req.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise BadRequest("'inputs' must be a non-empty list")
+        raise bad_input("'inputs' must be a non-empty list")
     binary = memoryview(binary_part)
     tensors: list[WireTensor] = []
     offset = 0
     for item in inputs:
         if not isinstance(item, dict):
-            raise BadRequest("each input must be an object")
+            raise bad_input("each input must be an object")
         name = item.get("name")
         if not isinstance(name, str):
-            raise BadRequest("each input needs a string 'name'")
+            raise bad_input("each input needs a string 'name'")
         params = item.get("parameters", {})
         if not isinstance(params, dict):
-            raise BadRequest(f"input {name!r}: 'parameters' must be an object")
+            raise bad_input(f"input {name!r}: 'parameters' must be an object")
         tensor = WireTensor(name, item.get("datatype"), item.get("shape"), params)
         size = params.get("binary_data_size")
         if size is not None:
             if "data" in item:
-                raise BadRequest(f"input {name!r}: both 'data' and binary_data_size given")
+                raise bad_input(f"input {name!r}: both 'data' and binary_data_size given")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise BadRequest(f"input {name!r}: binary_data_size must be a non-negative integer")
+                raise bad_input(f"input {name!r}: binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
-                raise BadRequest(f"input {name!r}: binary data runs past the body ({len(binary) - offset} bytes "
+                raise bad_input(f"input {name!r}: binary data runs past the body ({len(binary) - offset} bytes "
                                  f"left, {size} needed)")
             tensor.raw = binary[offset:offset + size]
             offset += size
@@ -226,7 +218,7 @@ def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignat
             tensor.data = item["data"] if item["data"] is not None else _not_a_list(name)
         tensors.append(tensor)
     if offset != len(binary):
-        raise BadRequest(
+        raise bad_input(
             f"binary data is {len(binary)} bytes but the inputs declare {offset}"
             + ("" if header_length is not None else " (no Inference-Header-Content-Length header)")
         )
@@ -234,16 +226,17 @@ def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignat
 
 
 def _not_a_list(name: str):
-    raise BadRequest(f"input {name!r}: 'data' must be a list")
+    raise bad_input(f"input {name!r}: 'data' must be a list")
 
 
-class NonFiniteOutput(ProtocolError):
+def non_finite(name: str, feeds: dict[str, np.ndarray]) -> ProtocolError:
     """A JSON output holds NaN or an infinity, which JSON (RFC 8259) has no way to write. Inputs are checked
     finite before they run, so the request's own values drove the model past float range (a smal ``trace``
-    of 3e38): the client's input, 422, not a server error."""
-
-    status = 422
-    reason = "non_finite_output"
+    of 3e38): the client's input, ``unprocessable`` (422), not a server error."""
+    return ProtocolError(Kind.UNPROCESSABLE, f"output {name!r} holds NaN or infinite values: this request's inputs"
+                                             f"{_largest_input(feeds)} took the model past float range, and JSON "
+                                             f"cannot carry the result; send smaller values, or ask for the output "
+                                             f"as binary data (parameters.binary_data: true) to get it as it is")
 
 
 def encode_infer_response(
@@ -256,7 +249,7 @@ def encode_infer_response(
     """Response body, and the JSON header's length when binary outputs follow it.
 
     JSON ``data`` is written by orjson straight from the array (no Python object per element). NaN and
-    infinities have no JSON form: such an output is refused (:class:`NonFiniteOutput`) rather than sent
+    infinities have no JSON form: such an output is refused (:func:`non_finite`) rather than sent
     as the non-standard ``NaN`` tokens browsers and strict clients reject; as binary data they go as-is.
     """
     names = request.outputs if request.outputs is not None else [n for n in order if n in outputs]
@@ -271,10 +264,7 @@ def encode_infer_response(
             chunks.append(data)
         else:
             if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise NonFiniteOutput(f"output {name!r} holds NaN or infinite values: this request's inputs"
-                                      f"{_largest_input(request.feeds)} took the model past float range, and JSON "
-                                      f"cannot carry the result; send smaller values, or ask for the output as "
-                                      f"binary data (parameters.binary_data: true) to get it as it is")
+                raise non_finite(name, request.feeds)
             entry["data"] = np.ascontiguousarray(arr).reshape(-1)
         entries.append(entry)
     response: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": entries}
@@ -295,17 +285,14 @@ def stream_json_response(model_name: str, model_version: str, request: InferRequ
     """The JSON response (every output as JSON data) as pieces of about 1 MB, for a body too big to build
     whole: six concurrent 30 MB answers would otherwise each exist as one bytes object until sent. None
     when some output goes as binary data (that body is mostly raw bytes already). Outputs are checked
-    before the first piece (:class:`NonFiniteOutput`), so a refusal is still a whole error response."""
+    before the first piece (:func:`non_finite`), so a refusal is still a whole error response."""
     names = request.outputs if request.outputs is not None else [n for n in order if n in outputs]
     if any(request.binary.get(n, request.binary_default) for n in names):
         return None
     arrays = [(n, np.asarray(outputs[n])) for n in names]
     for name, arr in arrays:
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            raise NonFiniteOutput(f"output {name!r} holds NaN or infinite values: this request's inputs"
-                                  f"{_largest_input(request.feeds)} took the model past float range, and JSON "
-                                  f"cannot carry the result; send smaller values, or ask for the output as "
-                                  f"binary data (parameters.binary_data: true) to get it as it is")
+            raise non_finite(name, request.feeds)
 
     def pieces() -> Iterator[bytes]:
         head = {"model_name": model_name, "model_version": model_version}
@@ -333,6 +320,3 @@ def _largest_input(feeds: dict[str, np.ndarray]) -> str:
     value, name = max(found)
     return f" (largest |value|: {value:.3g} in {name!r})"
 
-
-def error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()

@@ -1,7 +1,7 @@
 """KServe v2 / Open Inference Protocol requests, independent of the transport.
 
 The HTTP codec (:mod:`attnx.runtime.apis.kserve_json`: JSON and the binary tensor extension) and the gRPC
-service (:mod:`attnx.runtime.wire.grpc`) each turn what arrived into :class:`WireTensor` items;
+service (:mod:`attnx.runtime.apis.kserve_grpc`) each turn what arrived into :class:`WireTensor` items;
 :func:`build_infer_request` checks them against the model (:class:`ModelSignature`) and gives an
 :class:`InferRequest` of numpy feeds, or of texts for a model with a tokenizer. Everything a client
 sends is validated here, so both transports answer a bad request with the same one-line message
@@ -24,7 +24,9 @@ import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
 from attnx.runtime.core.session import ON_REQUEST_OUTPUT, OPTIONAL_ROLES, InputError, TensorSpec
-from attnx.runtime.core.text import TEXT_ROLES, decode_text
+from attnx.runtime.core.text import TEXT_PAIR_INPUT, TEXT_ROLES, decode_text
+from attnx.runtime.wire.errors import bad_input
+from attnx.runtime.wire.limits import Limits
 
 #: Protocol datatype strings <-> numpy (little-endian on the wire). ``BYTES`` is text, handled apart.
 TRITON_TO_NUMPY: dict[str, np.dtype] = {
@@ -44,11 +46,6 @@ TRITON_TO_NUMPY: dict[str, np.dtype] = {
 BYTES = "BYTES"
 #: Valid in the protocol, but no attnx model takes them.
 UNSUPPORTED_DATATYPES = {"BF16"}
-#: The name of the text input of a model with a tokenizer.
-TEXT_INPUT = "text"
-#: Optional second text of each row (a cross-encoder's document beside its query): BYTES ``[N]`` like ``text``,
-#: tokenised as pairs in the tokenizer's own pair template.
-TEXT_PAIR_INPUT = "text_pair"
 
 
 def triton_dtype(dtype: np.dtype) -> str:
@@ -60,82 +57,10 @@ def triton_dtype(dtype: np.dtype) -> str:
     raise ValueError(f"no protocol datatype for {dtype}")
 
 
-class ProtocolError(Exception):
-    """A request the server refuses; ``status`` is the HTTP code, ``reason`` the metrics label."""
-
-    status = 400
-    reason = "bad_request"
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
-
-class BadRequest(ProtocolError):
-    status = 400
-    reason = "bad_request"
-
-
-class TooLarge(ProtocolError):
-    status = 413
-    reason = "too_large"
-
-
-class NotFound(ProtocolError):
-    status = 404
-    reason = "unknown_model"
-
-
-class Overloaded(ProtocolError):
-    status = 503
-    reason = "overload"
-
-    def __init__(self, message: str, reason: str = "overload"):
-        super().__init__(message)
-        self.reason = reason
-
-
-@dataclass
-class Limits:
-    """What one request may ask of the server.
-
-    - ``max_body_bytes``: the HTTP body (after decompression) or gRPC message, default 64 MiB.
-    - ``max_tensor_elements``: elements in one tensor (checked on the declared
-      shape, before any allocation), default 16 Mi.
-    - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
-    - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it
-      declares one, else unlimited).
-    - ``max_texts``: strings in one text request (inputs of an OpenAI or TEI embedding request), default 1024.
-    - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and
-      truncation, default 300,000 (OpenAI's own per-request limit); over it is a 413.
-    - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests
-      (default: the larger of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to
-      ``decode_wait_s`` seconds, then get 503. Decoding JSON costs a few times the body's size.
-
-    Limits that would refuse every request (a body limit or max seq below 1) are refused here.
-    """
-
-    max_body_bytes: int = 64 << 20
-    max_tensor_elements: int = 16 << 20
-    max_request_elements: int = 32 << 20
-    max_seq: int | None = None
-    max_texts: int = 1024
-    max_request_tokens: int | None = 300_000
-    max_decode_bytes: int | None = None
-    decode_wait_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_tensor_elements", "max_request_elements", "max_texts",
-                     "max_request_tokens", "max_seq", "max_decode_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.decode_wait_s >= 0:
-            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s!r}")
-
-    @property
-    def decode_budget(self) -> int:
-        return self.max_decode_bytes or max(self.max_body_bytes, 64 << 20)
+def tensor_metadata(spec: TensorSpec) -> dict:
+    """A tensor in model metadata: dims -1 where dynamic (batch included, as Triton does)."""
+    return {"name": spec.name, "datatype": triton_dtype(spec.dtype),
+            "shape": [d if isinstance(d, int) else -1 for d in spec.shape]}
 
 
 @dataclass
@@ -238,13 +163,13 @@ def _is_int(x: Any) -> bool:
 def _values_to_array(name: str, data: Any, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
     """JSON / typed values (flat or nested list, row-major) -> array, with strict element types."""
     if not isinstance(data, (list, tuple)) and not hasattr(data, "__len__"):
-        raise BadRequest(f"input {name!r}: 'data' must be a list")
+        raise bad_input(f"input {name!r}: 'data' must be a list")
     try:  # an array already (the HTTP codec decodes long JSON lists itself): no copy
         raw = data if isinstance(data, np.ndarray) else np.array(data)
     except (ValueError, TypeError, RecursionError):
-        raise BadRequest(f"input {name!r}: 'data' is not a regular (non-ragged) list of numbers") from None
+        raise bad_input(f"input {name!r}: 'data' is not a regular (non-ragged) list of numbers") from None
     if raw.size != count:
-        raise BadRequest(f"input {name!r}: 'data' has {raw.size} elements, shape {shape} needs {count}")
+        raise bad_input(f"input {name!r}: 'data' has {raw.size} elements, shape {shape} needs {count}")
     kind = raw.dtype.kind
     if count == 0:
         return np.zeros(shape, dtype=dtype)
@@ -256,18 +181,18 @@ def _values_to_array(name: str, data: Any, dtype: np.dtype, shape: list[int], co
         ok = kind in "iuf"
     if not ok:
         what = {"U": "strings", "O": "mixed or out-of-range values", "f": "floats", "b": "booleans"}.get(kind, kind)
-        raise BadRequest(f"input {name!r}: 'data' holds {what}, the datatype is {triton_dtype(dtype)}")
+        raise bad_input(f"input {name!r}: 'data' holds {what}, the datatype is {triton_dtype(dtype)}")
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         if raw.min() < info.min or raw.max() > info.max:
-            raise BadRequest(f"input {name!r}: value out of range for {triton_dtype(dtype)}")
+            raise bad_input(f"input {name!r}: value out of range for {triton_dtype(dtype)}")
     return raw.astype(dtype, copy=False).reshape(shape)
 
 
 def _raw_to_array(name: str, raw, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
     expected = count * dtype.itemsize
     if len(raw) != expected:
-        raise BadRequest(f"input {name!r}: {len(raw)} bytes of binary data, but shape {shape} of "
+        raise bad_input(f"input {name!r}: {len(raw)} bytes of binary data, but shape {shape} of "
                          f"{triton_dtype(dtype)} is {expected} bytes")
     arr = np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
     if not arr.flags.aligned:  # an FP16 tensor of odd length shifts the ones after it
@@ -278,23 +203,23 @@ def _raw_to_array(name: str, raw, dtype: np.dtype, shape: list[int], count: int)
 def _check_shape(spec: TensorSpec, shape: Any, sig: ModelSignature, limits: Limits) -> list[int]:
     name = spec.name
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-        raise BadRequest(f"input {name!r}: 'shape' must be a list of integers")
+        raise bad_input(f"input {name!r}: 'shape' must be a list of integers")
     if len(shape) != spec.rank:
-        raise BadRequest(f"input {name!r}: rank {len(shape)} {shape}, the model expects {spec.describe()}")
+        raise bad_input(f"input {name!r}: rank {len(shape)} {shape}, the model expects {spec.describe()}")
     for axis, (want, got) in enumerate(zip(spec.shape, shape)):
         if got < 0:
-            raise BadRequest(f"input {name!r}: negative dim {got}")
+            raise bad_input(f"input {name!r}: negative dim {got}")
         if isinstance(want, int) and got != want:
-            raise BadRequest(f"input {name!r}: dim {axis} is {got}, the model expects {spec.describe()}")
+            raise bad_input(f"input {name!r}: dim {axis} is {got}, the model expects {spec.describe()}")
         if want == BATCH and not 1 <= got <= sig.max_batch_size:
-            raise BadRequest(f"input {name!r}: batch {got} is outside 1..{sig.max_batch_size}")
+            raise bad_input(f"input {name!r}: batch {got} is outside 1..{sig.max_batch_size}")
         if want == SEQ:
             max_seq = limits.max_seq or sig.max_seq
             if got < 1 or (max_seq is not None and got > max_seq):
-                raise BadRequest(f"input {name!r}: seq {got} is outside 1..{max_seq or 'any'}")
+                raise bad_input(f"input {name!r}: seq {got} is outside 1..{max_seq or 'any'}")
     count = math.prod(shape)  # Python ints: a huge declared shape cannot overflow
     if count > limits.max_tensor_elements:
-        raise BadRequest(
+        raise bad_input(
             f"input {name!r}: shape {shape} has {count} elements, over the limit of {limits.max_tensor_elements}"
         )
     return shape
@@ -302,9 +227,9 @@ def _check_shape(spec: TensorSpec, shape: Any, sig: ModelSignature, limits: Limi
 
 def _check_values(spec: TensorSpec, arr: np.ndarray) -> None:
     if arr.dtype.kind == "f" and arr.size and not np.isfinite(arr).all():
-        raise BadRequest(f"input {spec.name!r}: holds NaN or infinite values")
+        raise bad_input(f"input {spec.name!r}: holds NaN or infinite values")
     if spec.role == Role.ATTENTION_MASK and arr.size and not np.isin(arr, (0, 1)).all():
-        raise BadRequest(f"input {spec.name!r}: an attention mask holds only 0 (padding) and 1 (token)")
+        raise bad_input(f"input {spec.name!r}: an attention mask holds only 0 (padding) and 1 (token)")
 
 
 def split_bytes(raw, count: int, name: str) -> list[bytes]:
@@ -314,15 +239,15 @@ def split_bytes(raw, count: int, name: str) -> list[bytes]:
     offset = 0
     while offset < len(view):
         if offset + 4 > len(view):
-            raise BadRequest(f"input {name!r}: BYTES data ends inside an element's 4-byte length")
+            raise bad_input(f"input {name!r}: BYTES data ends inside an element's 4-byte length")
         (size,) = struct.unpack_from("<I", view, offset)
         offset += 4
         if offset + size > len(view):
-            raise BadRequest(f"input {name!r}: BYTES element {len(out)} runs past the data ({size} bytes declared)")
+            raise bad_input(f"input {name!r}: BYTES element {len(out)} runs past the data ({size} bytes declared)")
         out.append(bytes(view[offset:offset + size]))
         offset += size
     if len(out) != count:
-        raise BadRequest(f"input {name!r}: BYTES data holds {len(out)} elements, shape needs {count}")
+        raise bad_input(f"input {name!r}: BYTES data holds {len(out)} elements, shape needs {count}")
     return out
 
 
@@ -332,26 +257,27 @@ def _decode_texts(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[st
     assert text is not None
     shape = t.shape
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-        raise BadRequest(f"input {t.name!r}: 'shape' must be a list of integers")
-    if len(shape) != 1 or not 1 <= shape[0] <= limits.max_texts:
-        raise BadRequest(f"input {t.name!r}: shape {shape}, expected [N] with 1 <= N <= {limits.max_texts} "
-                         f"(one string per row)")
+        raise bad_input(f"input {t.name!r}: 'shape' must be a list of integers")
+    if len(shape) != 1 or not 1 <= shape[0]:
+        raise bad_input(f"input {t.name!r}: shape {shape}, expected [N] with 1 <= N <= {limits.max_texts} "
+                        f"(one string per row)")
+    limits.check_count(shape[0], t.name)
     count = shape[0]
     if t.raw is not None:
         values: list = split_bytes(t.raw, count, t.name)
     elif t.data is not None or t.contents is not None:
         values = list(t.data if t.data is not None else t.contents)
         if len(values) != count:
-            raise BadRequest(f"input {t.name!r}: 'data' has {len(values)} elements, shape {shape} needs {count}")
+            raise bad_input(f"input {t.name!r}: 'data' has {len(values)} elements, shape {shape} needs {count}")
     else:
-        raise BadRequest(f"input {t.name!r}: no data")
+        raise bad_input(f"input {t.name!r}: no data")
     try:
         texts = [decode_text(v, i) for i, v in enumerate(values)]
     except InputError as e:
-        raise BadRequest(f"input {t.name!r}: {e}") from None
+        raise bad_input(f"input {t.name!r}: {e}") from None
     for i, s in enumerate(texts):
         if not s.strip():
-            raise BadRequest(f"input {t.name!r}: text {i} is empty{' (only whitespace)' if s else ''}")
+            raise bad_input(f"input {t.name!r}: text {i} is empty{' (only whitespace)' if s else ''}")
     return texts
 
 
@@ -363,99 +289,110 @@ def _decode_texts(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[st
 def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor], requested: Any,
                         sig: ModelSignature, limits: Limits) -> InferRequest:
     """Check a request's parts against the model and decode them (see the module doc)."""
-    if request_id is not None and not isinstance(request_id, str):
-        raise BadRequest("'id' must be a string")
-    if not isinstance(params, dict):
-        raise BadRequest("'parameters' must be an object")
-    binary_default = params.get("binary_data_output", False)
-    if not isinstance(binary_default, bool):
-        raise BadRequest("'binary_data_output' must be a boolean")
-    timeout = params.get("timeout")
-    if timeout is not None and (not _is_int(timeout) or timeout < 0):
-        raise BadRequest("'timeout' must be a non-negative integer (microseconds)")
-    if not isinstance(params.get("truncate", True), bool):
-        raise BadRequest("'truncate' must be a boolean")
+    binary_default = _check_parameters(request_id, params)
     if not tensors:
-        raise BadRequest("'inputs' must be a non-empty list")
+        raise bad_input("'inputs' must be a non-empty list")
     feeds: dict[str, np.ndarray] = {}
-    texts: list[str] | None = None
-    pairs: list[str] | None = None
-    total_elements = 0
+    texts: dict[str, list[str]] = {}
+    total = 0
     for t in tensors:
-        if not isinstance(t.name, str):
-            raise BadRequest("each input needs a string 'name'")
-        if not isinstance(t.datatype, str):
-            raise BadRequest(f"input {t.name!r}: 'datatype' must be a string")
-        if t.name in feeds or (texts is not None and sig.text is not None and t.name == sig.text.name):
-            raise BadRequest(f"input {t.name!r} given twice")
-        if not isinstance(t.parameters, dict):
-            raise BadRequest(f"input {t.name!r}: 'parameters' must be an object")
-        if "shared_memory_region" in t.parameters:
-            raise BadRequest(f"input {t.name!r}: shared memory is not supported by this server")
-        if sig.text is not None and t.name == sig.text.name:
-            if t.datatype != BYTES:
-                raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the text input takes BYTES")
-            texts = _decode_texts(t, sig, limits)
+        _check_tensor_head(t, sig, feeds, texts)
+        if sig.text is not None and (t.name == sig.text.name or t.name == TEXT_PAIR_INPUT and sig.input(t.name) is None):
+            texts[t.name] = _text_tensor(t, sig, limits)
             continue
-        if sig.text is not None and t.name == TEXT_PAIR_INPUT and sig.input(t.name) is None:
-            if not sig.text.pairs:
-                raise BadRequest(f"input {t.name!r}: model {sig.name!r} does not score text pairs (an export of a "
-                                 "sequence-classification model, such as a cross-encoder, does)")
-            if pairs is not None:
-                raise BadRequest(f"input {t.name!r} given twice")
-            if t.datatype != BYTES:
-                raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the text input takes BYTES")
-            pairs = _decode_texts(t, sig, limits)
-            continue
-        spec = sig.input(t.name)
-        if t.datatype == BYTES:
-            if sig.text is None:
-                raise BadRequest(f"model {sig.name!r} has no tokenizer, so it takes no text (BYTES input "
-                                 f"{t.name!r}); send its inputs {[s.name for s in sig.inputs]}")
-            raise BadRequest(f"input {t.name!r}: BYTES is only for the text input {sig.text.name!r}")
-        if spec is None:
-            raise BadRequest(f"unknown input {t.name!r}; model {sig.name!r} takes {_input_names(sig)}")
-        if t.datatype in UNSUPPORTED_DATATYPES or t.datatype not in TRITON_TO_NUMPY:
-            known = "unsupported" if t.datatype in UNSUPPORTED_DATATYPES else "unknown"
-            raise BadRequest(f"input {t.name!r}: {known} datatype {t.datatype!r}")
-        want = triton_dtype(spec.dtype)
-        if t.datatype != want:
-            raise BadRequest(f"input {t.name!r}: datatype {t.datatype}, the model expects {want}")
-        dtype = TRITON_TO_NUMPY[t.datatype]
-        shape = _check_shape(spec, t.shape, sig, limits)
-        count = math.prod(shape)
-        total_elements += count
-        if total_elements > limits.max_request_elements:
-            raise BadRequest(f"request has more than {limits.max_request_elements} elements in total")
-        if t.raw is not None:
-            arr = _raw_to_array(t.name, t.raw, dtype, shape, count)
-        elif t.data is not None:
-            if not isinstance(t.data, (list, np.ndarray)):
-                raise BadRequest(f"input {t.name!r}: 'data' must be a list")
-            arr = _values_to_array(t.name, t.data, dtype, shape, count)
-        elif t.contents is not None:
-            arr = _values_to_array(t.name, t.contents, dtype, shape, count)
-        else:
-            raise BadRequest(f"input {t.name!r}: no 'data' and no binary_data_size")
-        _check_values(spec, arr)
+        arr = _tensor(t, sig, limits)
+        total += arr.size
+        if total > limits.max_request_elements:
+            raise bad_input(f"request has more than {limits.max_request_elements} elements in total")
         feeds[t.name] = arr
-    if pairs is not None and (texts is None or len(pairs) != len(texts)):
-        raise BadRequest(f"input {TEXT_PAIR_INPUT!r} holds each row's second text: it needs "
-                         + (f"{len(texts)} strings, one per text" if texts is not None else
-                            f"the text input {sig.text.name!r} beside it"))
-    if texts is not None:
-        mixed = sorted(sig.text_filled & set(feeds))
-        if mixed:
-            raise BadRequest(f"send either text ({sig.text.name!r}) or token ids ({mixed}), not both")
-        missing = [s.name for s in sig.inputs
-                   if s.name not in feeds and s.name not in sig.text_filled and s.name not in sig.optional_inputs]
-    else:
-        missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in sig.optional_inputs]
+    text, pairs = (texts.get(sig.text.name), texts.get(TEXT_PAIR_INPUT)) if sig.text is not None else (None, None)
+    if pairs is not None and (text is None or len(pairs) != len(text)):
+        raise bad_input(f"input {TEXT_PAIR_INPUT!r} holds each row's second text: it needs "
+                        + (f"{len(text)} strings, one per text" if text is not None else
+                           f"the text input {sig.text.name!r} beside it"))
+    skip = sig.optional_inputs | (sig.text_filled if text is not None else set())
+    if text is not None and sig.text_filled & set(feeds):
+        raise bad_input(f"send either text ({sig.text.name!r}) or token ids ({sorted(sig.text_filled & set(feeds))}), "
+                        f"not both")
+    missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in skip]
     if missing:
-        raise BadRequest(f"missing input(s) {missing} for model {sig.name!r}")
+        raise bad_input(f"missing input(s) {missing} for model {sig.name!r}")
     _check_agreeing_dims(sig, feeds)
     outputs, binary = _parse_requested_outputs(requested, sig, binary_default)
-    return InferRequest(request_id, feeds, outputs, binary, binary_default, params, texts, pairs)
+    return InferRequest(request_id, feeds, outputs, binary, binary_default, params, text, pairs)
+
+
+def _check_parameters(request_id: Any, params: Any) -> bool:
+    """The request's ``id`` and ``parameters``; the default of ``binary_data_output``."""
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad_input("'id' must be a string")
+    if not isinstance(params, dict):
+        raise bad_input("'parameters' must be an object")
+    binary_default = params.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise bad_input("'binary_data_output' must be a boolean")
+    timeout = params.get("timeout")
+    if timeout is not None and (not _is_int(timeout) or timeout < 0):
+        raise bad_input("'timeout' must be a non-negative integer (microseconds)")
+    if not isinstance(params.get("truncate", True), bool):
+        raise bad_input("'truncate' must be a boolean")
+    return binary_default
+
+
+def _check_tensor_head(t: WireTensor, sig: ModelSignature, feeds: dict, texts: dict) -> None:
+    """A tensor's name, datatype and parameters, before its data is read."""
+    if not isinstance(t.name, str):
+        raise bad_input("each input needs a string 'name'")
+    if not isinstance(t.datatype, str):
+        raise bad_input(f"input {t.name!r}: 'datatype' must be a string")
+    if t.name in feeds or t.name in texts:
+        raise bad_input(f"input {t.name!r} given twice")
+    if not isinstance(t.parameters, dict):
+        raise bad_input(f"input {t.name!r}: 'parameters' must be an object")
+    if "shared_memory_region" in t.parameters:
+        raise bad_input(f"input {t.name!r}: shared memory is not supported by this server")
+
+
+def _text_tensor(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[str]:
+    if t.name == TEXT_PAIR_INPUT and not sig.text.pairs:
+        raise bad_input(f"input {t.name!r}: model {sig.name!r} does not score text pairs (an export of a "
+                        "sequence-classification model, such as a cross-encoder, does)")
+    if t.datatype != BYTES:
+        raise bad_input(f"input {t.name!r}: datatype {t.datatype}, the text input takes BYTES")
+    return _decode_texts(t, sig, limits)
+
+
+def _tensor(t: WireTensor, sig: ModelSignature, limits: Limits) -> np.ndarray:
+    """One numeric input, checked against its spec and decoded."""
+    spec = sig.input(t.name)
+    if t.datatype == BYTES:
+        if sig.text is None:
+            raise bad_input(f"model {sig.name!r} has no tokenizer, so it takes no text (BYTES input "
+                            f"{t.name!r}); send its inputs {[s.name for s in sig.inputs]}")
+        raise bad_input(f"input {t.name!r}: BYTES is only for the text input {sig.text.name!r}")
+    if spec is None:
+        raise bad_input(f"unknown input {t.name!r}; model {sig.name!r} takes {_input_names(sig)}")
+    if t.datatype in UNSUPPORTED_DATATYPES or t.datatype not in TRITON_TO_NUMPY:
+        known = "unsupported" if t.datatype in UNSUPPORTED_DATATYPES else "unknown"
+        raise bad_input(f"input {t.name!r}: {known} datatype {t.datatype!r}")
+    want = triton_dtype(spec.dtype)
+    if t.datatype != want:
+        raise bad_input(f"input {t.name!r}: datatype {t.datatype}, the model expects {want}")
+    dtype = TRITON_TO_NUMPY[t.datatype]
+    shape = _check_shape(spec, t.shape, sig, limits)
+    count = math.prod(shape)
+    if t.raw is not None:
+        arr = _raw_to_array(t.name, t.raw, dtype, shape, count)
+    elif t.data is not None:
+        if not isinstance(t.data, (list, np.ndarray)):
+            raise bad_input(f"input {t.name!r}: 'data' must be a list")
+        arr = _values_to_array(t.name, t.data, dtype, shape, count)
+    elif t.contents is not None:
+        arr = _values_to_array(t.name, t.contents, dtype, shape, count)
+    else:
+        raise bad_input(f"input {t.name!r}: no 'data' and no binary_data_size")
+    _check_values(spec, arr)
+    return arr
 
 
 def _input_names(sig: ModelSignature) -> list[str]:
@@ -474,7 +411,7 @@ def _check_agreeing_dims(sig: ModelSignature, feeds: dict[str, np.ndarray]) -> N
             if isinstance(d, str) and d != "?":
                 size = arr.shape[axis]
                 if d in seen and seen[d][0] != size:
-                    raise BadRequest(
+                    raise bad_input(
                         f"inputs disagree on {d!r}: {seen[d][1]} has {seen[d][0]}, {spec.name} has {size}"
                     )
                 seen.setdefault(d, (size, spec.name))
@@ -488,31 +425,31 @@ def _parse_requested_outputs(items: Any, sig: ModelSignature, binary_default: bo
         # Attention patterns only when named: a request that names no outputs gets the others.
         return (None if len(default) == len(names) else default), {n: binary_default for n in default}
     if not isinstance(items, list):
-        raise BadRequest("'outputs' must be a list")
+        raise bad_input("'outputs' must be a list")
     wanted: list[str] = []
     binary: dict[str, bool] = {}
     for item in items:
         if isinstance(item, dict):
             if not isinstance(item.get("name"), str):
-                raise BadRequest("each requested output must be an object with a string 'name'")
+                raise bad_input("each requested output must be an object with a string 'name'")
             item = RequestedOutput(item["name"], item.get("parameters", {}))
         if not isinstance(item, RequestedOutput):
-            raise BadRequest("each requested output must be an object with a string 'name'")
+            raise bad_input("each requested output must be an object with a string 'name'")
         name = item.name
         if name not in names:
-            raise BadRequest(f"unknown output {name!r}; model {sig.name!r} gives {names}")
+            raise bad_input(f"unknown output {name!r}; model {sig.name!r} gives {names}")
         if name in binary:
-            raise BadRequest(f"output {name!r} requested twice")
+            raise bad_input(f"output {name!r} requested twice")
         oparams = item.parameters
         if not isinstance(oparams, dict):
-            raise BadRequest(f"output {name!r}: 'parameters' must be an object")
+            raise bad_input(f"output {name!r}: 'parameters' must be an object")
         if oparams.get("classification"):
-            raise BadRequest(f"output {name!r}: classification outputs are not supported")
+            raise bad_input(f"output {name!r}: classification outputs are not supported")
         if "shared_memory_region" in oparams:
-            raise BadRequest(f"output {name!r}: shared memory is not supported by this server")
+            raise bad_input(f"output {name!r}: shared memory is not supported by this server")
         flag = oparams.get("binary_data", binary_default)
         if not isinstance(flag, bool):
-            raise BadRequest(f"output {name!r}: 'binary_data' must be a boolean")
+            raise bad_input(f"output {name!r}: 'binary_data' must be a boolean")
         wanted.append(name)
         binary[name] = flag
     return wanted, binary

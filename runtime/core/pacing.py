@@ -26,7 +26,7 @@ from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from attnx.runtime.apis import kserve_tensors as proto
+from attnx.runtime.wire.errors import overloaded, too_large
 
 #: A bucket must hold this share of a request's tokens before its rate is needed for the estimate.
 _MINOR_SHARE = 0.1
@@ -114,12 +114,12 @@ def check(batcher, parts: Sequence[tuple[int, int]], timeout_ms: float | None) -
         longest = max(n for _, n in parts)
         rate = batcher.pace.rate(longest)
         at = f" at the {rate:,.0f} tokens/s this model has shown" if rate else ""
-        raise proto.TooLarge(f"this request needs about {own:.1f} s of compute ({tokens} padded tokens{at}), more "
+        raise too_large(f"this request needs about {own:.1f} s of compute ({tokens} padded tokens{at}), more "
                              f"than the {deadline:g} s a request may wait to start: send fewer or shorter texts "
                              f"(or serve with a longer --timeout-ms)")
     ahead = batcher.pace.seconds(batcher.queued_parts(), nearest=True) or 0.0
     if ahead + before_last > deadline:
-        raise proto.Overloaded(f"model {batcher.name!r}: about {ahead:.1f} s of work is queued ahead, and this "
+        raise overloaded(f"model {batcher.name!r}: about {ahead:.1f} s of work is queued ahead, and this "
                                f"request could not start within {deadline:g} s; retry later")
     return True
 

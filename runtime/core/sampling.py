@@ -21,6 +21,8 @@ import numpy as np
 #: Longest stop list and stop string accepted (OpenAI allows 4; longer lists cost a scan per token).
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
+#: Smallest repetition penalty: a seen logit is divided by it, and float32 logits of ~1e4 stay finite in float64.
+MIN_PENALTY = 0.01
 
 
 class SamplingError(ValueError):
@@ -67,8 +69,8 @@ class SamplingParams:
         if not 0.0 < p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1], got {p}", "top_p")
         r = number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < r <= 100.0:
-            raise SamplingError(f"repetition_penalty must be in (0, 100], got {r}", "repetition_penalty")
+        if not MIN_PENALTY <= r <= 100.0:  # below it, penalised logits leave float range
+            raise SamplingError(f"repetition_penalty must be in [{MIN_PENALTY}, 100], got {r}", "repetition_penalty")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -102,13 +104,20 @@ def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int] | np.ndarra
 
 
 def distribution(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] | np.ndarray = ()) -> np.ndarray:
-    """The probabilities a sampled token is drawn from (``float64 [vocab]``; module docstring)."""
-    row = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, params.repetition_penalty)
-    scores = row.astype(np.float64) / params.temperature
+    """The probabilities a sampled token is drawn from (``float64 [vocab]``; module docstring).
+
+    In float64, and the best logit is taken off before dividing by the temperature: the scaled scores are then
+    all <= 0, so a subnormal temperature sends the others to -inf (greedy in effect) instead of inf / inf = NaN.
+    Logits that are not finite raise :class:`SamplingError` (the scheduler fails that request alone)."""
+    row = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), seen, params.repetition_penalty)
+    if not np.isfinite(row).all():
+        raise SamplingError("the model's logits for this step are not finite")
+    with np.errstate(over="ignore", under="ignore"):
+        scores = (row - row.max()) / params.temperature
     if params.top_k and params.top_k < scores.shape[0]:
         kth = np.partition(scores, -params.top_k)[-params.top_k]
         scores = np.where(scores < kth, -np.inf, scores)
-    probs = np.exp(scores - np.max(scores))
+    probs = np.exp(scores)
     probs /= probs.sum()
     if params.top_p < 1.0:
         # transformers' order: keep the most likely tokens until their total reaches top_p (ties broken as its
@@ -127,7 +136,7 @@ def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
                seen: Sequence[int] | np.ndarray = ()) -> int:
     """The next token from one row of logits ``[vocab]`` (module docstring)."""
     if params.greedy:
-        row = apply_repetition_penalty(np.asarray(logits, dtype=np.float32), seen, params.repetition_penalty)
+        row = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), seen, params.repetition_penalty)
         return int(np.argmax(row))
     probs = distribution(logits, params, seen)
     return int(rng.choice(probs.shape[0], p=probs))

@@ -171,7 +171,7 @@ class GenerationScheduler:
             self._finish(handle, str(e))
             return None
         self.stats.prefills += 1
-        if not self._accept(handle, gen.choose(logits)):
+        if not self._accept(handle, logits):
             return None
         self._active.append(handle)
         return state
@@ -184,10 +184,19 @@ class GenerationScheduler:
         self.stats.max_rows = max(self.stats.max_rows, len(tokens))
         for handle, row in zip(list(self._active), logits):
             if not handle.cancelled:
-                self._accept(handle, handle.generation.choose(row))
+                self._accept(handle, row)
 
-    def _accept(self, handle: Handle, token: int) -> bool:
-        """Hand the token to the request; False once it is done (it leaves at the next step)."""
+    def _accept(self, handle: Handle, logits: np.ndarray) -> bool:
+        """Choose the request's next token from its row of logits and hand it over; False once it is done (it
+        leaves at the next step). A row that cannot be sampled (its logits, or what its parameters make of
+        them, are not finite) fails its own request alone: the rest of the batch goes on."""
+        try:
+            token = handle.generation.choose(logits)
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own
+            log.warning("generation of model %s: a request failed choosing its token: %s", self.name, e)
+            self._finish(handle, f"the model could not choose this request's next token: {public_message(str(e))}")
+            handle.cancel()
+            return False
         piece = handle.generation.accept(token)
         self.stats.tokens += 1
         try:

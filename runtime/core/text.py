@@ -33,6 +33,18 @@ from attnx.runtime.core.session import InputError, TensorSpec
 TEXT_ROLES = (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS)
 #: Beyond this, ``model_max_length`` in tokenizer_config.json is transformers' "no limit" placeholder.
 _NO_LIMIT = 1_000_000
+#: The name of the text input of a model with a tokenizer (KServe's ``BYTES`` input, Triton ensembles).
+TEXT_INPUT = "text"
+#: Optional second text of each row (a cross-encoder's document beside its query): BYTES ``[N]`` like ``text``,
+#: tokenised as pairs in the tokenizer's own pair template.
+TEXT_PAIR_INPUT = "text_pair"
+#: Characters read per token a model takes (:attr:`TextTokenizer.char_cap`): far more than any real text's
+#: tokens span (English averages 4-5), so what lies past the cap never reaches the first ``max_length`` tokens.
+CHARS_PER_TOKEN = 64
+
+
+class TooLong(InputError):
+    """A text past the characters a model can read that cannot be cut (truncation off): a 413, not a stall."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,9 @@ class TextTokenizer:
         if max_length is not None and max_length < 2:
             raise ContractError(f"tokenizer max length {max_length} is too small")
         self.max_length = max_length
+        #: Texts are cut to this many characters before tokenising (the tokenizer would otherwise read all of a
+        #: 20 MB string to keep its first 256 tokens); None: no cap (nothing states the model's length).
+        self.char_cap = max_length * CHARS_PER_TOKEN if max_length is not None else None
         self.truncation_side = truncation_side
         self.pad_id = int(pad_id)
         self.model_type = model_type
@@ -135,6 +150,7 @@ class TextTokenizer:
         if max_length < 2:
             raise ContractError(f"tokenizer max length {max_length} is too small")
         self.max_length = max_length
+        self.char_cap = max_length * CHARS_PER_TOKEN
         self._cut.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
 
     def describe(self) -> dict[str, Any]:
@@ -172,6 +188,8 @@ class TextTokenizer:
     def tokens(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, str, bool, int, int]]:
         """``(id, text, special, start, stop)`` of each token of ``text`` (not truncated): a special token's
         text is the token itself, another's the characters ``text[start:stop]`` it came from (TEI's Tokenize)."""
+        if self.char_cap is not None and len(text) > self.char_cap:
+            raise TooLong(f"the text has {len(text)} characters, more than the {self.char_cap} this model reads")
         try:
             enc = self._full.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates
@@ -183,8 +201,18 @@ class TextTokenizer:
         """Token ids back to text (generation)."""
         return self._full.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def _cap(self, text: str) -> str:
+        """``text`` within :attr:`char_cap`, from the end truncation keeps."""
+        if self.char_cap is None or len(text) <= self.char_cap:
+            return text
+        return text[:self.char_cap] if self.truncation_side == "right" else text[-self.char_cap:]
+
     def _encode(self, inputs: list, truncate: bool, what: str, add_special_tokens: bool = True) -> list[Encoded]:
         tok = self._cut if truncate else self._full
+        capped = [self._cap(x) if isinstance(x, str) else tuple(map(self._cap, x)) for x in inputs]
+        cut = [a is not b if isinstance(a, str) else any(p is not q for p, q in zip(a, b))
+               for a, b in zip(capped, inputs)]
+        inputs = capped
         try:
             encodings = tok.encode_batch(inputs, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - e.g. lone surrogates, which are not UTF-8
@@ -195,9 +223,12 @@ class TextTokenizer:
             if not truncate and self.max_length is not None and ids.shape[0] > self.max_length:
                 raise InputError(f"{what} {i} has {ids.shape[0]} tokens, more than the model's max length "
                                  f"{self.max_length} (and truncation is off for this request)")
+            if not truncate and cut[i]:
+                raise TooLong(f"{what} {i} has more than the {self.char_cap} characters this model reads "
+                              f"({CHARS_PER_TOKEN} a token at most; truncation is off for this request)")
             if ids.shape[0] == 0:
                 raise InputError(f"{what} {i} gives no tokens")
-            out.append(Encoded(ids, np.asarray(enc.type_ids, dtype=np.int64), bool(enc.overflowing)))
+            out.append(Encoded(ids, np.asarray(enc.type_ids, dtype=np.int64), bool(enc.overflowing) or cut[i]))
         return out
 
 

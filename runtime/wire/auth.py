@@ -9,18 +9,19 @@ The comparison is :func:`hmac.compare_digest` over SHA-256 digests of the sent a
 its time depends on neither the key's content nor its length. Health routes stay open (a Kubernetes probe
 carries no key): KServe's ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/{m}[/versions/{v}]/ready``,
 TEI's ``/health``, and gRPC's ``ServerLive``, ``ServerReady``, ``ModelReady``. Everything else, ``/metrics``
-included, answers 401 without the key (gRPC: ``UNAUTHENTICATED``), in the error shape of the API asked:
-OpenAI's for ``/v1/...`` and ``/embeddings``, ``{"error": "..."}`` (KServe's, and TEI's field) elsewhere.
+included, answers 401 without the key (gRPC: ``UNAUTHENTICATED``), in the error shape of the API asked
+(:func:`attnx.runtime.wire.errors.shape_of_path`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 
 import grpc
+
+from attnx.runtime.wire.errors import Kind, ProtocolError, shape_of_path
 
 #: The environment variable ``attnx serve`` reads the key from when ``--api-key`` is not given.
 ENV_VAR = "ATTNX_API_KEY"
@@ -28,15 +29,18 @@ ENV_VAR = "ATTNX_API_KEY"
 OPEN_PATHS = re.compile(r"^/(v2/health/(live|ready)|v2/models/[^/]+(/versions/[^/]+)?/ready|health)$")
 OPEN_GRPC_METHODS = frozenset(f"/inference.GRPCInferenceService/{m}" for m in ("ServerLive", "ServerReady",
                                                                                "ModelReady"))
-_OPENAI_PATHS = re.compile(r"^/(v1/|embeddings$)")
 
 
 class ApiKey:
-    """A configured key; :meth:`accepts` checks an ``Authorization`` header value in constant time."""
+    """A configured key; :meth:`accepts` checks an ``Authorization`` header value in constant time. An empty key
+    (``--api-key ''``, ``ATTNX_API_KEY=`` set but empty) is refused: it would leave every route open."""
 
     def __init__(self, key: str):
-        if not key or key != key.strip():
-            raise ValueError("the API key must be non-empty, without leading or trailing spaces")
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError("the API key is empty: give a key, or leave out --api-key and ATTNX_API_KEY to serve "
+                             "without one")
+        if key != key.strip():
+            raise ValueError("the API key must not have leading or trailing spaces")
         self._digest = hashlib.sha256(key.encode("utf-8")).digest()
 
     def accepts(self, header: str | bytes | None) -> bool:
@@ -63,15 +67,10 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         message = ("Incorrect API key provided" if header else
                    "No API key provided: send the header 'Authorization: Bearer KEY'")
-        if _OPENAI_PATHS.match(scope["path"]):
-            body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                              "code": "invalid_api_key"}}
-        else:
-            body = {"error": message}
-        payload = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 401,
+        status, payload, headers = shape_of_path(scope["path"]).http(ProtocolError(Kind.UNAUTHENTICATED, message))
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"www-authenticate", b'Bearer realm="attnx"')]})
+                                *((k.lower().encode(), v.encode()) for k, v in headers.items())]})
         await send({"type": "http.response.body", "body": payload})
 
 

@@ -1,25 +1,91 @@
-"""Admission control for request bodies: how many bytes may be read and decoded at once.
+"""What one request may ask of the server, and how the work it brings is kept off the event loop.
 
-A JSON body costs a few times its size while it is decoded (text, then numbers, then the array), so
-the server bounds the *sum* of body sizes in that phase with a :class:`ByteBudget`, taken before the
-body is read (from ``Content-Length``) and given back once the request is decoded. Requests beyond
-it wait in arrival order, up to a deadline, then get 503. The budget is shared by the HTTP and gRPC
-front ends, which run on different threads and event loops, so it is a lock plus per-waiter futures
-woken with ``call_soon_threadsafe``. A body of unknown length (chunked) is charged the body limit.
-
-:func:`declared_length` and :func:`read_body` read an HTTP body under these rules: 413 before reading
-when ``Content-Length`` is over the limit, and one buffer of the declared size (no chunk list + copy).
+- :class:`Limits`: body size, tensor elements, texts and tokens per request (one set for every API).
+- :class:`ByteBudget`: a JSON body costs a few times its size while it is decoded (text, then numbers,
+  then arrays), so the bytes of bodies being read and decoded at once are bounded, taken before the body is
+  read (from ``Content-Length``) and given back once it is decoded. Requests beyond it wait in arrival
+  order, up to a deadline, then are refused as overloaded. The budget is shared by the HTTP and gRPC front
+  ends (different threads and event loops): a lock plus per-waiter futures woken with
+  ``call_soon_threadsafe``. A body of unknown length (chunked) is charged the body limit.
+- :func:`declared_length` and :func:`read_body`: an HTTP body under these rules (413 before reading when
+  ``Content-Length`` is over the limit, one buffer of the declared size).
+- :class:`Workers`: the one worker policy. Work whose cost grows with the input (decoding JSON, tokenising,
+  encoding big answers) runs inline only when it is small, else on one worker thread: these calls hold the
+  GIL in C code, and one thread is all the event loop (health probes, other sockets) then competes with.
+  Two threads decode no faster under the GIL and doubled health-probe latency under 40 JSON clients
+  (benchmarks/bench_server_load.py). Tokenising is bounded before it starts by a character cap per text
+  (:attr:`attnx.runtime.core.text.TextTokenizer.char_cap`), chat templates render in their own process
+  (:mod:`attnx.runtime.core.chat`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import ctypes
+import ctypes.util
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable
 
-from attnx.runtime.apis import kserve_tensors as proto
+from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, too_large
+
+
+@dataclass
+class Limits:
+    """What one request may ask of the server.
+
+    - ``max_body_bytes``: the HTTP body (after decompression) or gRPC message, default 64 MiB.
+    - ``max_tensor_elements``: elements in one tensor (checked on the declared
+      shape, before any allocation), default 16 Mi.
+    - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
+    - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it
+      declares one, else unlimited).
+    - ``max_texts``: strings in one text request (inputs of an OpenAI or TEI embedding request), default 1024.
+    - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and
+      truncation, default 300,000 (OpenAI's own per-request limit); over it is a 413.
+    - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests
+      (default: the larger of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to
+      ``decode_wait_s`` seconds, then are refused as overloaded.
+
+    Limits that would refuse every request (a body limit or max seq below 1) are refused here.
+    """
+
+    max_body_bytes: int = 64 << 20
+    max_tensor_elements: int = 16 << 20
+    max_request_elements: int = 32 << 20
+    max_seq: int | None = None
+    max_texts: int = 1024
+    max_request_tokens: int | None = 300_000
+    max_decode_bytes: int | None = None
+    decode_wait_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_tensor_elements", "max_request_elements", "max_texts",
+                     "max_request_tokens", "max_seq", "max_decode_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.decode_wait_s >= 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s!r}")
+
+    @property
+    def decode_budget(self) -> int:
+        return self.max_decode_bytes or max(self.max_body_bytes, 64 << 20)
+
+    def check_tokens(self, tokens: int) -> None:
+        """413 for a request whose texts come to more tokens than ``max_request_tokens``."""
+        if self.max_request_tokens is not None and tokens > self.max_request_tokens:
+            raise too_large(f"the request's inputs come to {tokens} tokens, over the limit of "
+                            f"{self.max_request_tokens} tokens per request; send fewer or shorter inputs")
+
+    def check_count(self, count: int, param: str) -> None:
+        """``too_many`` for more inputs than ``max_texts``."""
+        if count > self.max_texts:
+            raise ProtocolError(Kind.TOO_MANY, f"'{param}' has {count} inputs, over the limit of {self.max_texts} "
+                                               f"per request; send them in several requests", param)
 
 
 @dataclass
@@ -31,7 +97,7 @@ class _Waiter:
 
 
 class ByteBudget:
-    """At most ``capacity`` bytes held at once; :meth:`hold` waits (FIFO) or raises ``Overloaded``."""
+    """At most ``capacity`` bytes held at once; :meth:`hold` waits (FIFO) or refuses (overloaded)."""
 
     def __init__(self, capacity: int):
         if capacity < 1:
@@ -68,8 +134,8 @@ class ByteBudget:
                     self._waiters.remove(waiter)
                 self._wake_locked()  # the ones behind it may fit now
             if isinstance(e, TimeoutError):
-                raise proto.Overloaded(f"server busy: {self.in_use >> 20} MiB of request bodies are being "
-                                       f"decoded (limit {self.capacity >> 20} MiB); retry later") from None
+                raise ProtocolError(Kind.OVERLOADED, f"server busy: {self.in_use >> 20} MiB of request bodies are "
+                                    f"being decoded (limit {self.capacity >> 20} MiB); retry later") from None
             raise
 
     def release(self, size: int) -> None:
@@ -103,9 +169,9 @@ def declared_length(request, limit: int) -> int | None:
     if declared is None:
         return None
     if not declared.strip().isdigit():
-        raise proto.BadRequest("invalid Content-Length")
+        raise bad_input("invalid Content-Length")
     if int(declared) > limit:
-        raise proto.TooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+        raise too_large(f"body of {declared} bytes exceeds the limit of {limit} bytes")
     return int(declared)
 
 
@@ -116,13 +182,54 @@ async def read_body(request, limit: int, size: int | None) -> bytearray:
     async for chunk in request.stream():
         if size is None:
             if filled + len(chunk) > limit:
-                raise proto.TooLarge(f"body exceeds the limit of {limit} bytes")
+                raise too_large(f"body exceeds the limit of {limit} bytes")
             buf += chunk
         else:
             if filled + len(chunk) > size:
-                raise proto.BadRequest(f"body longer than its Content-Length ({size})")
+                raise bad_input(f"body longer than its Content-Length ({size})")
             buf[filled:filled + len(chunk)] = chunk
         filled += len(chunk)
     if size is not None and filled != size:
-        raise proto.BadRequest(f"body has {filled} bytes, Content-Length says {size}")
+        raise bad_input(f"body has {filled} bytes, Content-Length says {size}")
     return buf
+
+
+# --- the worker policy -------------------------------------------------------------------------
+
+#: Work below this cost (bytes or characters) runs inline: a thread hop costs more than it.
+INLINE_COST = 32 << 10
+#: After a request this big, freed heap pages go back to the system (glibc keeps them otherwise).
+_TRIM_BYTES = 4 << 20
+
+
+class Workers:
+    """Runs work whose cost grows with the input off the event loop (module doc): ``await run(fn, cost=n)``."""
+
+    def __init__(self, threads: int = 1):
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="attnx-work")
+
+    async def run(self, fn: Callable[..., Any], *args, cost: int) -> Any:
+        if cost < INLINE_COST:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def trim(self, size: int) -> None:
+        """After a request of ``size`` bytes: give freed memory back to the system, on the worker thread."""
+        if size >= _TRIM_BYTES and _libc() is not None:
+            self._pool.submit(_libc().malloc_trim, 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.append(lib if hasattr(lib, "malloc_trim") else None)
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]

@@ -11,22 +11,15 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
+from attnx.runtime.wire.errors import Kind
+
 # Seconds: sub-millisecond to tens of seconds (CPU batches of long sequences are slow).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
-#: Failure reasons used in ``attnx_request_failures_total{reason=...}``.
-REASONS = (
-    "bad_request",
-    "unknown_model",
-    "too_large",
-    "overload",
-    "timeout",
-    "shutting_down",
-    "client_disconnect",  # the client closed the connection before its request was read: not our error
-    "non_finite_output",  # a JSON output held NaN/Inf, which JSON cannot carry (binary can)
-    "internal",
-)
+#: Failure reasons in ``attnx_request_failures_total{reason=...}``: the kinds of :mod:`attnx.runtime.wire.errors`
+#: (``client_gone``: the client left before its answer, not our error).
+REASONS = tuple(k.value for k in Kind)
 
 
 class ServerMetrics:
