@@ -1,22 +1,15 @@
 """``attnx serve`` in process: :class:`InferenceServer` loads the models, builds the one request path and runs it.
 
-The layers (``runtime/``): ``core/`` runs models (sessions, the dynamic batcher, tokenising, generation),
-``wire/`` is what every request goes through (the error taxonomy and its status tables, the envelope, limits
-and the worker policy, the HTTP app and gRPC front end, API key, metrics), and ``apis/`` are the served APIs
-over one model registry: KServe v2 over HTTP and gRPC (``tritonclient`` works unmodified), OpenAI
-(embeddings, completions, chat), TEI over HTTP and gRPC, Cohere/Jina rerank, Infinity classify, Triton's
-generate extension and the attention pages. Each encoder has a
-:class:`~attnx.runtime.core.batcher.DynamicBatcher` (one worker thread), each decoder a step-level
-:class:`~attnx.runtime.core.scheduler.GenerationScheduler`, so the event loop never waits on compute, and
-work that grows with the input (decoding JSON, tokenising, chat templates) runs off it
-(:mod:`attnx.runtime.wire.limits`, :mod:`attnx.runtime.core.chat`).
-
-Shutdown (Ctrl-C, SIGTERM or :meth:`InferenceServer.stop`) stops accepting connections, lets in-flight
-requests finish, then drains and closes the models.
+``core/`` runs models (sessions, the dynamic batcher, tokenising, generation); ``wire/`` is what every request
+goes through (the error taxonomy and its status tables, the envelope, limits and the worker policy, the HTTP
+app, the gRPC front end, API key, metrics); ``apis/`` are the served APIs over one model registry. Shutdown
+(Ctrl-C, SIGTERM or :meth:`InferenceServer.stop`) stops accepting connections, lets in-flight requests
+finish, then drains and closes the models.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -105,17 +98,15 @@ class InferenceServer:
     >>> server.url              # 'http://127.0.0.1:43817'
     >>> server.stop()           # graceful: in-flight requests finish first
 
-    ``models`` maps names to model files or already-loaded sessions (with-past exports generate text).
-    ``port=0`` takes a free port (the socket is bound here, so there is no race); ``grpc_port`` (0: any free
-    one) adds the gRPC services (KServe v2 and TEI's ``tei.v1``). ``tokenizers`` maps model names (or
-    ``None``: every model) to a tokenizer folder, for files that carry none; ``axes`` (an
-    :class:`~attnx.runtime.core.axes.AxisFlags`) names batch/sequence axes the file does not. ``on_warning``
-    hears each start-up warning, by default the ``attnx.serve`` logger. ``dimensions`` (a
-    :class:`~attnx.runtime.apis.encoding.Dimensions`) says which embedding models may be cut shorter.
-    ``api_key``: every route but the health checks, HTTP and gRPC, then needs ``Authorization: Bearer KEY``
-    (:mod:`attnx.runtime.wire.auth`); an empty key is refused. ``http_limits``
-    (:class:`~attnx.runtime.wire.http_guard.HttpLimits`) bounds each connection's request head.
-    The ASGI app is :attr:`app` (Ray Serve and other hosts mount it).
+    ``models``: names -> model files or loaded sessions (with-past exports generate text). ``port=0`` takes a
+    free port (bound here: no race); ``grpc_port`` (0: any) adds KServe's and TEI's gRPC services.
+    ``tokenizers``: model names (or ``None``: every model) -> a tokenizer folder, for files that carry none;
+    ``axes`` (:class:`~attnx.runtime.core.axes.AxisFlags`) names axes the file does not. ``on_warning`` hears
+    start-up warnings (default: the ``attnx.serve`` logger). ``dimensions``
+    (:class:`~attnx.runtime.apis.encoding.Dimensions`): which embedders may be cut shorter. ``api_key``: every
+    route but the health checks then needs ``Authorization: Bearer KEY`` (an empty key is refused).
+    ``http_limits`` (:class:`~attnx.runtime.wire.http_guard.HttpLimits`) bounds each connection's request head.
+    :attr:`app` is the ASGI app (Ray Serve and other hosts mount it).
     """
 
     def __init__(self, models: Mapping[str, str | os.PathLike | Session], *, host: str = "127.0.0.1",
@@ -145,7 +136,7 @@ class InferenceServer:
             self.chat.close()
             raise
         for message in self.warnings:
-            (on_warning or _log_warning)(message)
+            (on_warning or logging.getLogger("attnx.serve").warning)(message)
         self.state = Serving(self.registry, Envelope(self.registry, self.metrics, self.limits, self.budget, Workers()),
                              self.metrics, self.limits, dimensions or Dimensions(), list(EXTENSIONS), chat=self.chat)
         self.app = create_app(self.state, ROUTERS, on_shutdown=self._on_shutdown, openapi=_openapi)
@@ -293,12 +284,6 @@ class InferenceServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def _log_warning(message: str) -> None:
-    import logging
-
-    logging.getLogger("attnx.serve").warning(message)
 
 
 def _openapi(app) -> dict:

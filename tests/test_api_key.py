@@ -171,3 +171,27 @@ def test_the_cli_refuses_a_bad_dimensions_flag_in_one_line(tmp_path_factory):
                           (["--max-inputs", "0"], "--max-inputs must be >= 1")):
         result = CliRunner().invoke(app, ["serve", f"minilm={model}", "--port", "0", *flag])
         assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_an_unknown_models_open_ready_route_names_no_served_model(server):
+    """Issue 32: /v2/models/{m}/ready answers without the key, so its 404 must not list what the server serves."""
+    r = httpx.get(server.url + "/v2/models/secret-guess/ready", timeout=10)
+    assert r.status_code == 404 and "minilm" not in r.text and r.json() == {"error": "unknown model 'secret-guess'"}
+    assert httpx.get(server.url + "/v2/models/secret-guess", headers=GOOD, timeout=10).status_code == 404
+
+
+def test_an_empty_api_key_is_refused_in_one_line(tmp_path_factory):
+    """Issue 32: ``--api-key ''`` or ``ATTNX_API_KEY=`` (set, empty) would serve every route open: refused, in the
+    library and by the CLI (one line, before any model loads)."""
+    from typer.testing import CliRunner
+
+    from attnx.cli.main import app
+    from attnx.runtime.server import InferenceServer
+
+    model = minilm_export(tmp_path_factory)
+    with pytest.raises(ValueError, match="the API key is empty"):
+        InferenceServer({"minilm": model}, port=0, api_key="")
+    for args, env in ((["--api-key", ""], {}), ([], {auth.ENV_VAR: ""}), (["--api-key", "  "], {})):
+        result = CliRunner().invoke(app, ["serve", f"minilm={model}", "--port", "0", *args], env=env)
+        lines = result.output.strip().splitlines()
+        assert result.exit_code != 0 and len(lines) == 1 and "the API key is empty" in lines[0], result.output

@@ -200,7 +200,7 @@ def test_rerank_counts_in_the_servers_metrics(http):
     http.post("/v1/rerank", json={"model": "ce", "query": "", "documents": DOCS})
     text = http.get("/metrics").text
     assert re.search(r'attnx_request_success_total\{model="ce"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="ce",reason="bad_request"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="ce",reason="bad_input"\} [1-9]', text)
 
 
 def test_the_api_key_guards_rerank_and_classify(models):

@@ -147,7 +147,7 @@ def test_overload_is_refused_before_the_body_is_read(session):
             assert head.startswith(b"HTTP/1.1 503"), head
             assert b"retry-after: 1" in head.lower(), head
             assert "queue full" in json.loads(body)["error"]
-            assert metric(srv, "overload") == 1
+            assert metric(srv, "overloaded") == 1
         finally:
             gated.gate.set()
             for t in threads:
@@ -350,9 +350,9 @@ def test_a_client_that_disconnects_mid_body_is_not_an_internal_error(session):
                 sock.sendall(b"POST /v2/models/maw/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
                              + b'{"inputs": [' + b" " * 5000)
         deadline = time.monotonic() + 20
-        while metric(srv, "client_disconnect") < 3 and time.monotonic() < deadline:
+        while metric(srv, "client_gone") < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metric(srv, "client_disconnect") == 3
+        assert metric(srv, "client_gone") == 3
         assert metric(srv, "internal") == 0
         r = httpx.post(f"{srv.url}/v2/models/maw/infer", content=json_request(request(session, 1, 4, 0)), timeout=30)
         assert r.status_code == 200
@@ -373,11 +373,11 @@ def test_a_grpc_call_cancelled_by_its_deadline_is_a_client_disconnect(session):
                 client.infer("maw", [item], client_timeout=0.5)  # the worker is held: the deadline passes
             assert "DEADLINE_EXCEEDED" in str(info.value.status())
             deadline = time.monotonic() + 20
-            while metric(srv, "client_disconnect") < 1 and time.monotonic() < deadline:
+            while metric(srv, "client_gone") < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             gated.gate.set()
-        assert metric(srv, "client_disconnect") == 1 and metric(srv, "internal") == 0
+        assert metric(srv, "client_gone") == 1 and metric(srv, "internal") == 0
 
 
 # --- item 9: NaN / Inf never goes out as JSON -----------------------------------------------
@@ -405,7 +405,7 @@ def test_non_finite_outputs_are_refused_as_json_and_sent_as_binary(session):
         assert r.status_code == 422, r.text[:300]  # the request's own values did it (issue 26, item 13)
         error = json.loads(r.text, parse_constant=lambda c: pytest.fail(f"non-JSON token {c}"))["error"]
         assert "output 'output' holds NaN or infinite values" in error and "binary_data" in error
-        assert metric(srv, "non_finite_output") == 1 and metric(srv, "internal") == 0
+        assert metric(srv, "unprocessable") == 1 and metric(srv, "internal") == 0
         body = json.loads(json_request(feeds))
         body["outputs"] = [{"name": "output", "parameters": {"binary_data": True}}, {"name": "maw_depth"}]
         r = httpx.post(url, content=json.dumps(body), timeout=30)

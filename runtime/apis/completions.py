@@ -1,23 +1,13 @@
 """OpenAI's completions on ``attnx serve``: ``POST /v1/completions`` and ``/v1/chat/completions``, streaming too.
 
-What the unmodified ``openai`` client sends (``client.completions.create``, ``client.chat.completions.create``,
-``stream=True``), for a with-past export (:class:`~attnx.runtime.apis.requests.CompletionRequest`,
-:class:`~attnx.runtime.apis.requests.ChatRequest`):
-
-- ``/v1/completions``: ``prompt`` (a string, a list of them, token ids or a list of such lists), ``max_tokens``
-  (default 16), ``temperature`` (default 1: sampled; 0: greedy), ``top_p``, ``n``, ``stop``, ``seed``,
-  ``echo``, ``stream`` and ``stream_options.include_usage``; ``logprobs``, ``presence_penalty`` and
-  ``frequency_penalty`` other than off are refused (400), not ignored;
-- ``/v1/chat/completions``: ``messages`` (and ``tools``) rendered by the model's chat template as transformers
-  renders it (:mod:`attnx.runtime.core.chat`; a model without one answers 400), ``max_tokens`` /
-  ``max_completion_tokens`` (default: until the model's positions run out);
-- attnx's extensions (``extra_body``): ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``context`` (a
-  placed variant's context inputs, ``{name: one row}``).
-
-Streams are server-sent events of ``text_completion`` / ``chat.completion.chunk`` objects ending with
-``data: [DONE]``. Every choice of every request joins the model's step-level batch on its own
-(:mod:`attnx.runtime.core.scheduler`); ``n`` x prompts past what the queue holds is a 413. Errors are OpenAI's
-shape (the OpenAI table of :mod:`attnx.runtime.wire.errors`).
+For the unmodified ``openai`` client (:class:`~attnx.runtime.apis.requests.CompletionRequest`,
+:class:`~attnx.runtime.apis.requests.ChatRequest`): ``prompt`` (strings or token ids) or ``messages`` and
+``tools`` (rendered by the model's chat template as transformers renders it: :mod:`attnx.runtime.core.chat`),
+OpenAI's sampling fields and defaults (``max_tokens`` 16 for completions, the model's positions for chat;
+``temperature`` 1; 0 is greedy), ``n``, ``stop``, ``seed``, ``echo``, ``stream`` with
+``stream_options.include_usage``; ``logprobs`` and presence/frequency penalties are refused, not ignored.
+attnx's ``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``context`` go in ``extra_body``. Streams are
+server-sent events ending with ``data: [DONE]``; every choice joins the model's step-level batch on its own.
 """
 
 from __future__ import annotations

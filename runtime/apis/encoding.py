@@ -16,7 +16,7 @@ A model not trained for it loses quality when cut, so the operator allows it per
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -30,8 +30,7 @@ from attnx.runtime.wire.limits import Workers
 Item = str | list[int] | tuple[str, str]  # a text, token ids, or a (first, second) pair such as (query, document)
 
 
-@dataclass
-class Result:
+class Result(NamedTuple):
     values: np.ndarray  # [inputs, d] float32: sentence embeddings or label logits
     tokens: int  # summed over the inputs, after truncation, special tokens included
 

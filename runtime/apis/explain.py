@@ -16,14 +16,14 @@ from __future__ import annotations
 import asyncio
 import html
 import weakref
-from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from attnx.contract import ContractError, ModelInfo, contained, read_sidecar
+from attnx.contract import ContractError, contained
 from attnx.runtime.apis.registry import INFER
 from attnx.runtime.core.batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
+from attnx.runtime.core.decoding import source_info
 from attnx.runtime.core.session import InputError
 from attnx.runtime.wire.envelope import error_response
 from attnx.runtime.wire.errors import KSERVE, Kind, ProtocolError, bad_input
@@ -33,26 +33,13 @@ from attnx.runtime.wire.http import serving
 MAX_TEXT_CHARS = 20_000
 
 
-def model_info(model) -> ModelInfo | None:
-    """A served model's attnx metadata: the ONNX file's own, or for an engine the source ONNX its sidecar names."""
-    info = model.session.info
-    if info is not None:
-        return info
-    try:
-        side = read_sidecar(model.session.path)
-        onnx_path = Path(side["onnx"]) if side and side.get("onnx") else None
-        return ModelInfo.read(onnx_path) if onnx_path is not None and onnx_path.is_file() else None
-    except (ContractError, OSError, KeyError, TypeError):
-        return None
-
-
 class _Explainable:
     """What the page needs of one served model, built once: its facts and its tokenizer."""
 
     def __init__(self, model):
         from attnx.interp.source import ExplainError, TextEncoder, model_facts
 
-        info = model_info(model)
+        info, source = source_info(model.session)  # an engine: the ONNX its sidecar names, beside it
         if info is None:
             raise ExplainError(f"model {model.name!r} has no attnx metadata: nothing to explain")
         self.info = info
@@ -61,18 +48,9 @@ class _Explainable:
         if not info.tokenizer:
             raise ExplainError(f"model {model.name!r} takes {', '.join(info.input_names)}, not text: the page "
                                "needs a model exported with its tokenizer (--from-pretrained)")
-        tok_dir = contained(_model_folder(model), info.tokenizer["dir"], "the tokenizer folder named by attnx.tokenizer")
+        tok_dir = contained(source.parent, info.tokenizer["dir"], "the tokenizer folder named by attnx.tokenizer")
         self.tokenizer_path = tok_dir / info.tokenizer.get("file", "tokenizer.json")
         self.encoder = TextEncoder.from_file(self.tokenizer_path, info.tokenizer, info.input_names)
-
-
-def _model_folder(model) -> Path:
-    path = Path(model.session.path)
-    if path.suffix.lower() in (".engine", ".plan"):
-        side = read_sidecar(path) or {}
-        if side.get("onnx"):
-            return Path(side["onnx"]).parent
-    return path.parent
 
 
 class _BatcherSource:

@@ -1,18 +1,14 @@
 """Served text generation: the decoders in the registry, their prompts, parameters and streams.
 
-A with-past export served by ``attnx serve`` is a :class:`GenerationModel`: its session, a
-:class:`~attnx.runtime.core.decoding.Decoder`, its tokenizer, its chat template when its tokenizer folder has
-one (:class:`~attnx.runtime.core.chat.ChatTemplate`), and a
-:class:`~attnx.runtime.core.scheduler.GenerationScheduler` that batches its concurrent requests at the step
-level. It sits in the server's one registry beside the encoders, so KServe's metadata, ready, config and
-repository index, gRPC's ModelReady, the health checks, ``/v1/models`` and the queue gauges see it.
-
-Triton's generate extension (:mod:`attnx.runtime.apis.generate`) and OpenAI's completions
-(:mod:`attnx.runtime.apis.completions`) differ only in their wire shapes; both turn a request into
-:class:`~attnx.runtime.core.sampling.SamplingParams` here, tokenise its prompt off the event loop (cut at the
-model's character cap first: a prompt longer than its positions can hold is refused without reading it all),
-render chat messages in the template worker (:class:`~attnx.runtime.core.chat.Renderer`), and read tokens
-with :func:`pieces`, which cancels the generation when the client goes away.
+A with-past export served by ``attnx serve`` is a :class:`GenerationModel` (a session, its
+:class:`~attnx.runtime.core.decoding.Decoder`, tokenizer, chat template and step-level
+:class:`~attnx.runtime.core.scheduler.GenerationScheduler`), in the server's one registry beside the encoders:
+KServe's metadata, ready, config and index, gRPC's ModelReady, health, ``/v1/models`` and the queue gauges see
+it. Triton's generate (:mod:`attnx.runtime.apis.generate`) and OpenAI's completions
+(:mod:`attnx.runtime.apis.completions`) turn a request into :class:`~attnx.runtime.core.sampling.SamplingParams`
+here, tokenise its prompt off the loop (cut at the character cap first: a prompt longer than the positions can
+hold is refused without reading it all), render chat in the template worker, and read tokens with
+:func:`pieces`, which cancels the generation when the client goes away.
 """
 
 from __future__ import annotations

@@ -239,13 +239,8 @@ def non_finite(name: str, feeds: dict[str, np.ndarray]) -> ProtocolError:
                                              f"as binary data (parameters.binary_data: true) to get it as it is")
 
 
-def encode_infer_response(
-    model_name: str,
-    model_version: str,
-    request: InferRequest,
-    outputs: dict[str, np.ndarray],
-    order: list[str],
-) -> tuple[bytes, int | None]:
+def encode_infer_response(model_name: str, model_version: str, request: InferRequest, outputs: dict[str, np.ndarray],
+                          order: list[str]) -> tuple[bytes, int | None]:
     """Response body, and the JSON header's length when binary outputs follow it.
 
     JSON ``data`` is written by orjson straight from the array (no Python object per element). NaN and

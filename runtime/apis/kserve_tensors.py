@@ -317,7 +317,6 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
     missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in skip]
     if missing:
         raise bad_input(f"missing input(s) {missing} for model {sig.name!r}")
-    _check_agreeing_dims(sig, feeds)
     outputs, binary = _parse_requested_outputs(requested, sig, binary_default)
     return InferRequest(request_id, feeds, outputs, binary, binary_default, params, text, pairs)
 
@@ -398,23 +397,6 @@ def _tensor(t: WireTensor, sig: ModelSignature, limits: Limits) -> np.ndarray:
 def _input_names(sig: ModelSignature) -> list[str]:
     texts = [] if sig.text is None else [sig.text.name, TEXT_PAIR_INPUT] if sig.text.pairs else [sig.text.name]
     return texts + [s.name for s in sig.inputs]
-
-
-def _check_agreeing_dims(sig: ModelSignature, feeds: dict[str, np.ndarray]) -> None:
-    """Inputs sharing a named dim (batch, seq, ...) must agree on its size."""
-    seen: dict[str, tuple[int, str]] = {}
-    for spec in sig.inputs:
-        arr = feeds.get(spec.name)
-        if arr is None:
-            continue
-        for axis, d in enumerate(spec.shape):
-            if isinstance(d, str) and d != "?":
-                size = arr.shape[axis]
-                if d in seen and seen[d][0] != size:
-                    raise bad_input(
-                        f"inputs disagree on {d!r}: {seen[d][1]} has {seen[d][0]}, {spec.name} has {size}"
-                    )
-                seen.setdefault(d, (size, spec.name))
 
 
 def _parse_requested_outputs(items: Any, sig: ModelSignature, binary_default: bool

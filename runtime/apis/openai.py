@@ -1,25 +1,13 @@
-"""The OpenAI embeddings API on ``attnx serve``: ``POST /v1/embeddings`` and ``GET /v1/models``.
+"""The OpenAI embeddings API on ``attnx serve``: ``POST /v1/embeddings`` (and ``/embeddings``), ``GET /v1/models``.
 
-What the unmodified ``openai`` client (``OpenAI(base_url="http://host:8000/v1")``) and the OpenAI-compatible
-embedders of LangChain, LlamaIndex and most RAG tools send. ``POST /embeddings`` is the same route (TEI
-serves it too, for clients given a base URL without ``/v1``).
-
-Request (:class:`~attnx.runtime.apis.requests.EmbeddingRequest`): ``input`` (a string, a list of strings, a
-list of token ids or a list of such lists; ids are the model's own vocabulary, used as given), ``model`` (a
-served model's name; may be left out when the server has one embedding model), ``encoding_format``
-(``float``, the default, or ``base64``: little-endian float32, which the ``openai`` client asks for unless told
-otherwise), ``dimensions`` (fewer dimensions, Matryoshka style, where ``attnx serve --dimensions`` allows it),
-``user`` (ignored). attnx extensions (``extra_body`` in the ``openai`` client): ``truncate`` (default true:
-inputs past the model's max length are cut, as sentence-transformers cuts them; false refuses them) and
-``context`` (a placed variant's per-example context inputs, ``{name: one row per input}``).
-
-Response: ``{"object": "list", "data": [{"object": "embedding", "index": i, "embedding": ...}], "model",
-"usage": {"prompt_tokens", "total_tokens"}}``, tokens counted by the export's own tokenizer after truncation.
-``/v1/models`` lists every served model, text generators and classifiers included.
-
-Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the statuses of the
-OpenAI table in :mod:`attnx.runtime.wire.errors` (400 bad input, 401 no key, 404 an unknown model, 413 more
-than can ever fit, 429 overloaded with ``Retry-After``, 503 shutting down, 500 a bug).
+What the unmodified ``openai`` client and the OpenAI-compatible embedders of LangChain, LlamaIndex and most RAG
+tools send (:class:`~attnx.runtime.apis.requests.EmbeddingRequest`): ``input`` (strings, or token ids in the
+model's own vocabulary), ``model`` (may be left out when one model embeds), ``encoding_format`` (``float`` or
+``base64``, little-endian float32, which the client asks for unless told otherwise), ``dimensions`` (Matryoshka
+style, where ``attnx serve --dimensions`` allows it), ``user`` (ignored); attnx's ``truncate`` (default true, as
+sentence-transformers cuts) and ``context`` (a placed variant's per-example inputs) go in ``extra_body``. Usage
+counts the export's own tokens after truncation. ``/v1/models`` lists every served model. Errors are OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` with the OpenAI table of :mod:`attnx.runtime.wire.errors`.
 """
 
 from __future__ import annotations

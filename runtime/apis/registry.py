@@ -96,7 +96,6 @@ class ServedModel:
         return (f"model {self.name!r} is not a {what}: it gives no {LOGITS!r} [batch, labels] output (its outputs: "
                 f"{self.session.output_names})")
 
-    # --- what the server says about it -----------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return not self.batcher.closed
@@ -117,24 +116,18 @@ class ServedModel:
         top = seq[-1] if isinstance(seq, list) and seq else None
         return self.limits.max_seq or (top if isinstance(top, int) and top > 0 else None)
 
-    def text_inputs(self) -> list[str]:
-        """The BYTES inputs a KServe request may send: ``text`` and, for a classifier, ``text_pair``."""
-        if self.tokenizer is None:
-            return []
-        return [TEXT_INPUT, TEXT_PAIR_INPUT] if SCORE in self.capabilities else [TEXT_INPUT]
-
     def metadata(self) -> dict[str, Any]:
         """KServe v2 model metadata; dims are -1 where dynamic (batch included, as Triton does). A text model
         lists its ``text`` input first, and says how it tokenises under ``parameters``."""
         from attnx.runtime.apis.kserve_tensors import tensor_metadata
 
         out: dict[str, Any] = {"name": self.name, "versions": [self.version], "platform": self.session.platform}
-        inputs = [tensor_metadata(s) for s in self.session.inputs]
-        inputs[:0] = [{"name": name, "datatype": "BYTES", "shape": [-1]} for name in self.text_inputs()]
+        texts = [TEXT_INPUT, TEXT_PAIR_INPUT] if SCORE in self.capabilities else [TEXT_INPUT]
+        inputs = [{"name": name, "datatype": "BYTES", "shape": [-1]} for name in texts if self.tokenizer is not None]
+        inputs += [tensor_metadata(s) for s in self.session.inputs]
         if self.tokenizer is not None:
-            out["parameters"] = {"text_input": TEXT_INPUT, **self.tokenizer.describe()}
-            if SCORE in self.capabilities:
-                out["parameters"]["text_pair_input"] = TEXT_PAIR_INPUT
+            out["parameters"] = {"text_input": TEXT_INPUT, **self.tokenizer.describe(),
+                                 **({"text_pair_input": TEXT_PAIR_INPUT} if SCORE in self.capabilities else {})}
         defaults = {s.name: s.default for s in self.session.inputs if s.default is not None}
         if defaults:  # inputs a request may leave out, and what they are then (the metadata's word)
             out.setdefault("parameters", {})["input_defaults"] = defaults

@@ -1,14 +1,10 @@
 """Every JSON request the server takes, declared once (pydantic): strict types, the documented defaults.
 
-OpenAI's (:class:`EmbeddingRequest`, :class:`CompletionRequest`, :class:`ChatRequest`), TEI's
-(:class:`EmbedRequest`, :class:`PredictRequest`, :class:`TeiRerankRequest`), Cohere/Jina's
-(:class:`RerankRequest`), Infinity's (:class:`ClassifyRequest`), Triton's generate extension
-(:class:`GenerateRequest`) and KServe v2's infer body (:class:`InferBody`, for the OpenAPI document: its
-tensors are decoded by :mod:`attnx.runtime.apis.kserve_json`, which turns long number lists straight into
-arrays). Types are strict (``"1"`` is not a number, ``1.0`` not an integer, ``NaN`` and ``1e999`` not a
-float); fields a client may leave out take the default its API documents (OpenAI: ``max_tokens`` 16,
-``temperature`` 1, ``n`` 1, ``encoding_format`` float; TEI: ``normalize`` true, ``truncation_direction``
-Right, ``raw_scores`` false); fields attnx does not know are ignored, as OpenAI's clients send many.
+OpenAI's, TEI's, Cohere/Jina's rerank, Infinity's classify, Triton's generate, and KServe v2's infer body
+(:class:`InferBody`, for the OpenAPI document: its tensors are decoded by :mod:`attnx.runtime.apis.kserve_json`,
+which turns long number lists straight into arrays). Types are strict (``"1"`` is not a number, ``1.0`` not an
+integer, ``NaN`` and ``1e999`` not a float); a field left out takes the default its API documents; fields attnx
+does not know are ignored, as OpenAI's clients send many.
 
 :func:`parse` validates a body (bytes: pydantic reads the JSON itself, inside the envelope's budgeted body
 read) and turns the first problem into one :class:`~attnx.runtime.wire.errors.ProtocolError` line naming its
@@ -108,10 +104,6 @@ def strings(param: str, *, empty: bool = False, objects: bool = False, none: str
     return BeforeValidator(check)
 
 
-def one_text(param: str):
-    return BeforeValidator(lambda v: text(v, f"'{param}'"))
-
-
 Model = Annotated[str | None, Field(description="a served model's name; may be left out when one fits")]
 Context = Annotated[dict[str, Any] | None, Field(description="attnx: a placed variant's context inputs, "
                                                              "{input name: one row per input}")]
@@ -127,7 +119,7 @@ class EmbeddingRequest(Body):
     input: Annotated[str | list[int] | list[str | list[int]], texts_or_ids("input")]
     model: Model = None
     encoding_format: Literal["float", "base64"] | None = "float"
-    dimensions: Positive = None
+    dimensions: int | None = None
     user: str | None = None
     truncate: bool = True
     context: Context = None
@@ -215,7 +207,7 @@ class EmbedRequest(Body):
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
-    dimensions: Positive = None
+    dimensions: int | None = None
     model: Model = None
     context: Context = None
     musts: ClassVar = {"dimensions": "must be an integer"}
@@ -230,9 +222,8 @@ class HubParameters(Body):
 
 
 class PredictRequest(Body):
-    """TEI's ``POST /predict``: a string, a pair ``[a, b]`` or a batch ``[[a], [a, b], ...]``; with
-    ``parameters``, the Hugging Face Inference API's text classification (a string, ``{"text",
-    "text_pair"}``, or a list of them)."""
+    """TEI's ``POST /predict``: a string, a pair ``[a, b]`` or a batch ``[[a], [a, b], ...]``; with ``parameters``, the
+    Hugging Face Inference API's text classification (a string, ``{"text", "text_pair"}``, or a list of them)."""
 
     parameters: HubParameters | None = None
     inputs: str | list[str] | list[list[str]] | dict[str, str] | list[dict[str, str] | str]
@@ -251,11 +242,6 @@ class PredictRequest(Body):
                 data = {**data, "parameters": {}}  # the Inference API's request, with no parameters given
             predict_items(data["inputs"], hub="parameters" in data)
         return data
-
-    @property
-    def items(self) -> tuple[list, bool]:
-        """``(texts or (text, pair) tuples, whether the request gave a single input)``."""
-        return predict_items(self.inputs, hub=self.parameters is not None)
 
 
 _SHAPES = "a string, a pair of strings [string, string] or a batch [[string], [string, string], ...]"
@@ -299,7 +285,7 @@ def _hub_item(item: Any, i: int):
 class TeiRerankRequest(Body):
     """TEI's ``POST /rerank``."""
 
-    query: Annotated[str, one_text("query")]
+    query: Annotated[str, BeforeValidator(lambda v: text(v, "'query'"))]
     texts: Annotated[list[str], strings("texts", empty=True, none="`texts` cannot be empty")]
     raw_scores: bool = False
     return_text: bool = False
@@ -314,7 +300,7 @@ class TeiRerankRequest(Body):
 class RerankRequest(Body):
     """``POST /v1/rerank`` (Cohere's, Jina's): documents are strings or ``{"text": ...}``."""
 
-    query: Annotated[str, one_text("query")]
+    query: Annotated[str, BeforeValidator(lambda v: text(v, "'query'"))]
     documents: Annotated[list[str | dict[str, Any]], strings("documents", empty=True, objects=True)]
     model: Model = None
     top_n: Positive = None

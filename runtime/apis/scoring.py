@@ -1,19 +1,13 @@
 """Scores from sequence classifiers (cross-encoders, sentiment classifiers): every API that reranks or classifies.
 
-- ``POST /v1/rerank`` and ``/v2/rerank`` (Cohere's, Jina's; Infinity's ``/rerank`` with ``documents``):
-  ``query``, ``documents`` (strings or ``{"text"}``), ``top_n``, ``return_documents`` -> ``{"id", "results":
-  [{"index", "relevance_score", "document"?}], "model", "usage"}``, best first. Errors in OpenAI's shape.
-- ``POST /classify`` (Infinity's): ``input`` -> ``{"object": "classify", "data": [[{"score", "label"}]], ...}``;
-  a body with TEI's ``inputs`` is answered as ``/predict`` (TEI's shape and errors).
-- TEI's ``/predict`` (:func:`predict`: a string, a pair or a batch; with ``parameters``, the Hugging Face
-  Inference API's text classification, what ``InferenceClient.text_classification`` sends) and ``/rerank``
-  (:func:`tei_rerank`: ``query`` and ``texts`` -> ``[{"index", "score", "text"?}]``), registered by
-  :mod:`attnx.runtime.apis.tei`.
+- ``POST /v1/rerank``, ``/v2/rerank`` (Cohere's, Jina's; Infinity's ``/rerank`` with ``documents``): documents by
+  relevance, best first, in OpenAI's error shape.
+- ``POST /classify`` (Infinity's): each input's labels; a body with TEI's ``inputs`` is answered as ``/predict``.
+- TEI's ``/predict`` (:func:`predict`; with ``parameters``, the Hugging Face Inference API's text classification) and
+  ``/rerank`` (:func:`tei_rerank`), routed by :mod:`attnx.runtime.apis.tei`.
 
-A model with one label is a reranker, with several a classifier (:mod:`attnx.runtime.core.labels`: labels from
-the export's ``id2label``, CrossEncoder's and transformers' activations); ``raw_scores`` gives the logits.
-attnx extensions everywhere: ``truncate`` (default true: a pair past the model's max length loses tokens from
-its longer text first, as CrossEncoder cuts it) and ``context`` (a placed variant's per-example inputs).
+Labels and activations: :mod:`attnx.runtime.core.labels` (one label: a reranker). attnx extensions everywhere:
+``truncate`` (default true: a pair loses tokens from its longer text first, as CrossEncoder cuts it) and ``context``.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ from starlette.responses import Response
 from attnx.runtime.apis.encoding import encode
 from attnx.runtime.apis.registry import LOGITS, RERANK, SCORE
 from attnx.runtime.apis.requests import ClassifyRequest, PredictRequest, RerankRequest, TeiRerankRequest, \
-    openapi_body, parse
+    openapi_body, parse, predict_items
 from attnx.runtime.core.labels import sigmoid, softmax
 from attnx.runtime.wire.envelope import Call, error_response
 from attnx.runtime.wire.errors import OPENAI_SHAPE, TEI, ProtocolError, bad_input
@@ -133,7 +127,7 @@ async def predict(s: Serving, call: Call, body: PredictRequest) -> Response:
     even for one string, what ``InferenceClient.text_classification`` reads)."""
     model = call.named(s.registry.pick(body.model, SCORE))
     check_direction(model, body.truncation_direction)
-    items, single = body.items
+    items, single = predict_items(body.inputs, hub=body.parameters is not None)
     result = await encode(model, items, s.envelope.workers, output=LOGITS, truncate=body.truncate is not False,
                           context=body.context, param="inputs")
     hub = body.parameters

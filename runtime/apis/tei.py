@@ -1,20 +1,11 @@
 """Hugging Face text-embeddings-inference's routes on ``attnx serve``, so TEI clients work unchanged.
 
-- ``POST /embed`` (:class:`~attnx.runtime.apis.requests.EmbedRequest`): ``{"inputs", "normalize", "truncate",
-  "truncation_direction", "prompt_name", "dimensions"}`` -> ``[[float, ...], ...]``, one row per input (a single
-  string gives one row too).
-- ``POST /predict`` and ``POST /rerank`` (TEI's; a ``/rerank`` body with ``documents`` is Cohere's):
-  :mod:`attnx.runtime.apis.scoring`.
-- ``POST /``: TEI's route for its model's task; attnx picks it per request (:func:`_root`).
-- ``GET /info``: TEI's model description, for the server's embedding model (else its first classifier).
-- ``GET /health``: 200 when every model is ready, else 503 (no API key needed, like the KServe health routes).
-
-As in TEI: ``normalize`` defaults to true (unit length; false gives the model's own sentence embedding),
-``truncate`` to true (TEI's ``--auto-truncate``), ``dimensions`` cuts to the first ``k`` values (where
-``attnx serve --dimensions`` allows it), and errors are ``{"error", "error_type"}`` with TEI's statuses (the
-TEI table of :mod:`attnx.runtime.wire.errors`: 413 too many inputs or tokens, 422 invalid input, 400 an empty
-batch, 429 overloaded, 503 shutting down). TEI serves one model; with several, a request names one with
-``"model"`` (an attnx extension, as is ``"context"``).
+``POST /embed`` (:class:`~attnx.runtime.apis.requests.EmbedRequest`) -> one row per input; ``/predict`` and
+``/rerank`` (a ``/rerank`` body with ``documents`` is Cohere's): :mod:`attnx.runtime.apis.scoring`; ``POST /``: TEI's
+route for its model's task, picked per request (:func:`_root`); ``GET /info``; ``GET /health`` (open without the API
+key). As in TEI: ``normalize`` true, ``truncate`` true (``--auto-truncate``), ``dimensions`` cuts where allowed;
+errors are ``{"error", "error_type"}`` with the TEI table of :mod:`attnx.runtime.wire.errors`. With several models
+served, a request names one with ``"model"`` (an attnx extension, as is ``"context"``).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Hugging Face text-embeddings-inference's gRPC API (``tei.v1``) on ``attnx serve --grpc-port``, beside KServe's
-``inference.GRPCInferenceService`` on the same port: a client generated from TEI's ``tei.proto`` works unchanged.
-
-Services and what attnx answers:
-
-- ``Info/Info``: TEI's model description (the server's embedding model, else its first text classifier).
-- ``Embed/Embed`` and ``EmbedStream``: one text -> its sentence embedding (``normalize`` defaults to true,
-  ``dimensions`` cuts where ``attnx serve --dimensions`` allows it). ``EmbedAll``/``EmbedAllStream``: the
-  text's token embeddings (``last_hidden_state``). ``EmbedSparse*``: ``UNIMPLEMENTED`` (no SPLADE model).
-- ``Predict/Predict``, ``PredictPair`` and their streams: a sequence classifier's scores, best first.
-- ``Rerank/Rerank`` (query and texts) and ``RerankStream`` (one (query, text) a message; the first
-  message's flags count): ranks, best first.
-- ``Tokenize/Tokenize``, ``Decode`` and their streams: the served model's tokenizer.
-
-Streams are answered in order while their requests run concurrently, so a stream's texts meet other requests
-in the batchers. TEI serves one model; with several, the gRPC metadata key ``model`` names one (an attnx
-extension). Every call goes through the server's envelope, refusals by the TEI gRPC table of
-:mod:`attnx.runtime.wire.errors`.
+service on the same port: a client generated from TEI's ``tei.proto`` works unchanged. ``Info``; ``Embed`` (one
+text: its sentence embedding, ``normalize`` true unless set false, ``dimensions`` where allowed), ``EmbedAll``
+(its token embeddings); ``Predict``, ``PredictPair``; ``Rerank`` and ``RerankStream`` (one (query, text) a
+message); ``Tokenize``, ``Decode``; the ``...Stream`` forms answer in order while their requests run
+concurrently. ``EmbedSparse`` is UNIMPLEMENTED (no SPLADE model). With several models, the gRPC metadata key
+``model`` names one (an attnx extension). Every call goes through the server's envelope.
 
 The messages come from ``tei.proto`` beside this module (TEI's published interface, written out here), which
 protoc (grpcio-tools) compiles into a descriptor set when the gRPC port opens; the classes live in a private
-descriptor pool, so TEI's own generated classes can be imported in the same process. Clients generate their
-stubs from the same file (docs/serving.md).
+descriptor pool, so TEI's own generated classes can be imported in the same process.
 """
 
 from __future__ import annotations
@@ -110,13 +98,11 @@ class TeiHandlers:
 
     async def Info(self, request, context, call):
         info = info_fields(described(self.s), self.s)
-        kind = next(iter(info["model_type"]))
-        return messages()["InfoResponse"](
-            version=info["version"], model_id=info["model_id"], model_dtype=info["model_dtype"],
-            model_type=["embedding", "classifier", "reranker"].index(kind),
-            max_concurrent_requests=info["max_concurrent_requests"], max_input_length=info["max_input_length"] or 0,
-            max_batch_tokens=info["max_batch_tokens"], max_batch_requests=info["max_batch_requests"],
-            max_client_batch_size=info["max_client_batch_size"], tokenization_workers=1)
+        kind = ["embedding", "classifier", "reranker"].index(next(iter(info["model_type"])))
+        keep = ("version", "model_id", "model_dtype", "max_concurrent_requests", "max_batch_tokens",
+                "max_batch_requests", "max_client_batch_size", "tokenization_workers")
+        return messages()["InfoResponse"](model_type=kind, max_input_length=info["max_input_length"] or 0,
+                                          **{k: info[k] for k in keep})
 
     async def Embed(self, request, context, call):
         started, model = time.perf_counter(), self._model(context, call, EMBED)

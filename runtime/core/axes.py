@@ -1,23 +1,22 @@
 """Which axis of each input and output is the batch axis and which the sequence axis, for any ONNX file.
 
 The batcher pads and merges requests only along axes it knows (``"batch"`` / ``"seq"`` in a
-:class:`~attnx.runtime.core.session.TensorSpec`'s shape). attnx exports name them so (or say so in their
-metadata); other exporters name them ``batch_size`` / ``sequence_length`` (transformers, Optimum,
-torch.onnx), ``N``, ``seq_len``, ... or leave them anonymous. :func:`resolve_axes` decides, per
-tensor and in this order:
+:class:`~attnx.runtime.core.session.TensorSpec`'s shape). attnx exports name them so (or say so in their metadata);
+other exporters name them ``batch_size`` / ``sequence_length`` (transformers, Optimum, torch.onnx), ``N``,
+``seq_len``, ... or leave them anonymous. :func:`resolve_axes` decides, per tensor and in this order:
 
-1. flags (``attnx serve --batch-axis input_ids=0 --seq-axis 1``; a bare axis applies to every
-   tensor whose dim there is dynamic);
+1. flags (``attnx serve --batch-axis input_ids=0 --seq-axis 1``; a bare axis applies to every tensor whose dim there
+   is dynamic);
 2. the names attnx writes (``batch`` / ``seq``, from the file or its ``attnx.*`` metadata);
 3. common names (:data:`BATCH_NAMES`, :data:`SEQ_NAMES`, case-insensitive);
 4. for outputs, a dim with the same name as an input's batch or sequence dim.
 
-Whatever stays undecided is left as it is; :class:`~attnx.runtime.core.batcher.BatchLayout` then serves
-the model unbatched (a tensor without a batch axis) or without padding (an output with an unknown
-dynamic dim), never wrongly. :func:`describe_axes` prints the decisions (``attnx serve --describe``).
+Whatever stays undecided is left as it is; :class:`~attnx.runtime.core.batcher.BatchLayout` then serves the model
+unbatched (a tensor without a batch axis) or without padding (an output with an unknown dynamic dim), never wrongly.
+:func:`describe_axes` prints the decisions (``attnx serve --describe``).
 
-:func:`infer_id_ranges` gives token-id inputs of foreign files their ``[0, vocab)`` range from the
-embedding table they index, so a bad id is refused before it joins a batch.
+:func:`infer_id_ranges` gives token-id inputs of foreign files their ``[0, vocab)`` range from the embedding table
+they index, so a bad id is refused before it joins a batch.
 """
 
 from __future__ import annotations

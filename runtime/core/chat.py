@@ -1,24 +1,18 @@
 """Chat templates rendered exactly as transformers renders them, in a worker process with a time and size budget.
 
-A tokenizer folder's chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s ``chat_template``;
-of a list of named ones, ``tool_use`` when the request has tools and the folder has it, else ``default``) is
-Jinja2, run in the environment transformers' ``apply_chat_template`` builds (its
-``utils/chat_template_utils.py``): an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
-``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``) and the
-``{% generation %}`` block tag, a ``tojson`` that does not escape HTML (``<`` stays ``<``) and takes
-``indent``/``separators``/``sort_keys``, and the globals ``raise_exception``, ``strftime_now`` (Llama 3.x's date
-line), ``dict`` and a ``namespace`` that refuses underscore names. The template sees ``messages`` (keys whose
-value is None dropped, as transformers drops them), ``tools``, ``documents``, ``add_generation_prompt`` and the
-tokenizer's named special tokens (``bos_token``, ``eos_token``, ...). The rendered prompt is byte-equal to
-``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=False)``.
+The environment is transformers' ``apply_chat_template`` one (its ``utils/chat_template_utils.py``), written
+here: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols`` and the
+``{% generation %}`` tag, a ``tojson`` that does not escape HTML and takes ``indent``/``separators``/``sort_keys``,
+the globals ``raise_exception``, ``strftime_now``, ``dict`` and a ``namespace`` refusing underscore names. A
+template sees ``messages`` (keys whose value is None dropped), ``tools``, ``documents``,
+``add_generation_prompt`` and the tokenizer's named special tokens, so the prompt is byte-equal to
+``apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=False)``.
 
-A template is code from a model folder, and a request's messages drive it, so it never runs in the server
-process: each :class:`ChatTemplate` is compiled once at load (a syntax error is refused then, in one line), and
-rendered by :class:`Renderer` in a worker process (``python -I`` running this file: stdlib and jinja2 only, its
-address space capped) that compiles each template once, and is killed past the time budget and respawned. A
-render over the size budget stops as soon as its output passes it. What a template cannot do for a request
-(``raise_exception``, a ``range`` past 100,000, recursion, the budgets) is a one-line :class:`ChatError`; the
-server's event loop only ever waits on a pipe.
+A template is code from a model folder driven by a request's messages, so it never runs in the server: it is
+compiled once at load (one that does not compile is refused then) and rendered by :class:`Renderer` in a
+worker process (``python -I`` on this file: stdlib and jinja2 only, its address space capped) that is killed
+past the time budget and stops a render as soon as its output passes the size budget. ``raise_exception``,
+a ``range`` past 100,000, recursion or a budget is a one-line :class:`ChatError`.
 """
 
 from __future__ import annotations
@@ -57,7 +51,9 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: Path) -> "ChatTemplate | None":
         """A tokenizer folder's template (None when it has none); a template that does not compile is refused."""
-        config = _json(folder / "tokenizer_config.json")
+        from attnx.runtime.core.text import _read_json as read  # the parent's side: the server's own modules
+
+        config = read(folder / "tokenizer_config.json")
         jinja = folder / "chat_template.jinja"
         found = config.get("chat_template")
         if jinja.is_file():
@@ -69,7 +65,7 @@ class ChatTemplate:
                          and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
         else:
             return None
-        legacy = {} if "added_tokens_decoder" in config else _json(folder / "special_tokens_map.json")
+        legacy = {} if "added_tokens_decoder" in config else read(folder / "special_tokens_map.json")
         specials = {}
         for key in SPECIAL_TOKENS:
             value = legacy.get(key) or config.get(key)  # transformers' legacy merge: the map file wins
@@ -189,14 +185,6 @@ class _Worker:
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
             pipe.close()
-
-
-def _json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 # --- the worker side: the environment transformers renders in ------------------------------------------------

@@ -1,12 +1,11 @@
 """What this CPU gives ONNX Runtime's integer GEMM, for int8 files (``attnx export --int8``).
 
-ONNX Runtime multiplies uint8 activations by int8 weights (U8S8) with the widest integer dot product
-the CPU has. On x86 with AVX2 (or AVX-512BW) but no VNNI that is ``vpmaddubsw``, which adds two
-u8 x s8 products into a *saturating* int16: with full-range 8-bit weights (255 * 127 * 2 > 32767)
-large products clip and accuracy drops. VNNI (``vpdpbusd``) and AMX accumulate in int32, as do
-ARM's dot-product kernels: nothing clips. attnx therefore writes 7-bit weights by default (exact
-everywhere) and 8-bit weights only when asked (``--int8-weight-bits 8``), and warns when such a
-file is loaded on a CPU that would clip it.
+ONNX Runtime multiplies uint8 activations by int8 weights (U8S8) with the widest integer dot product the CPU has. On
+x86 with AVX2 (or AVX-512BW) but no VNNI that is ``vpmaddubsw``, which adds two u8 x s8 products into a *saturating*
+int16: with full-range 8-bit weights (255 * 127 * 2 > 32767) large products clip and accuracy drops. VNNI
+(``vpdpbusd``) and AMX accumulate in int32, as do ARM's dot-product kernels: nothing clips. attnx therefore writes
+7-bit weights by default (exact everywhere) and 8-bit weights only when asked (``--int8-weight-bits 8``), and warns
+when such a file is loaded on a CPU that would clip it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Generated tokens -> text as it streams: whole characters only, and stop strings cut exactly.
 
-A byte-level tokenizer (GPT-2, Llama 3, Qwen) splits a character over several tokens: decoding the tokens
-so far would end in U+FFFD until the last byte arrives. :class:`TextStream` decodes a short window of
-recent tokens and releases text only when it no longer ends in an incomplete character (the method of
-Hugging Face's streamers and vLLM's incremental detokenizer), so the pieces joined equal the tokens
-decoded at once.
+A byte-level tokenizer (GPT-2, Llama 3, Qwen) splits a character over several tokens: decoding the tokens so far
+would end in U+FFFD until the last byte arrives. :class:`TextStream` decodes a short window of recent tokens and
+releases text only when it no longer ends in an incomplete character (the method of Hugging Face's streamers and
+vLLM's incremental detokenizer), so the pieces joined equal the tokens decoded at once.
 
-Stop strings (OpenAI's ``stop``): generation ends at the first occurrence, which is not part of the text.
-Text that could still be the start of a stop string is held back until it cannot be, so a streamed
-stop string never reaches the client.
+Stop strings (OpenAI's ``stop``): generation ends at the first occurrence, which is not part of the text. Text that
+could still be the start of a stop string is held back until it cannot be, so a streamed stop string never reaches
+the client.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ and returns them in the order given. No torch is imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -26,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from attnx.runtime.core.batcher import BatchLayout
+from attnx.runtime.core.layout import BatchLayout
 from attnx.runtime.core.session import InputError, Session, load
 from attnx.runtime.core.text import TextTokenizer, context_rows, prepare_text_model, text_feeds
 
@@ -224,30 +225,19 @@ def length_chunks(order: list[int], lengths: list[int], batch_size: int,
     return chunks
 
 
-class _progress:
-    """A rich progress bar over ``total`` texts when asked for (or, when ``show`` is None, on a
-    terminal for a long input); otherwise nothing."""
+@contextlib.contextmanager
+def _progress(total: int, show: bool | None, batches: int):
+    """``advance(n)`` of a rich progress bar over ``total`` texts when asked for (or, when ``show`` is None, on a
+    terminal for a long input); otherwise a no-op."""
+    if not (show if show is not None else batches >= _AUTO_PROGRESS_BATCHES and sys.stderr.isatty()):
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
 
-    def __init__(self, total: int, show: bool | None, batches: int):
-        if show is None:
-            show = batches >= _AUTO_PROGRESS_BATCHES and sys.stderr.isatty()
-        self._bar = None
-        if show:
-            from rich.console import Console
-            from rich.progress import Progress
-
-            self._bar = Progress(console=Console(stderr=True), transient=True)
-            self._task = self._bar.add_task("encoding", total=total)
-
-    def __enter__(self):
-        if self._bar is None:
-            return lambda n: None
-        self._bar.start()
-        return lambda n: self._bar.advance(self._task, n)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("encoding", total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 __all__ = ["TextModel", "find_model_file", "InputError"]

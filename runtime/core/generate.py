@@ -6,12 +6,11 @@
     for piece in model.generate("Once upon a time", max_new_tokens=32):
         print(piece, end="", flush=True)                          # greedy; temperature=0.8 samples
 
-:class:`Generation` is one request's state (its tokens, its text so far, why it ended), shared with the
-server's step-level batching (:mod:`attnx.runtime.core.scheduler`); :func:`stream` runs one request on its own
-(``attnx generate``, :meth:`TextModel.generate <attnx.runtime.core.encode.TextModel.generate>`). A request ends
-at an end-of-sequence token (not part of the text), a stop string (not part of the text either), after
-``max_new_tokens``, or when the model's positions are used up (``finish_reason`` ``"stop"`` or
-``"length"``, as OpenAI's API says).
+:class:`Generation` is one request's state (its tokens, its text so far, why it ended), shared with the server's
+step-level batching (:mod:`attnx.runtime.core.scheduler`); :func:`stream` runs one request on its own (``attnx
+generate``, :meth:`TextModel.generate <attnx.runtime.core.encode.TextModel.generate>`). A request ends at an
+end-of-sequence token (not part of the text), a stop string (not part of the text either), after ``max_new_tokens``,
+or when the model's positions are used up (``finish_reason`` ``"stop"`` or ``"length"``, as OpenAI's API says).
 """
 
 from __future__ import annotations

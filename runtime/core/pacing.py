@@ -1,21 +1,19 @@
 """Admission by work: refuse at once a request that cannot start before its queue deadline.
 
-A request never starts after its deadline (``BatcherConfig.timeout_ms``, or the client's shorter
-``timeout``), so one whose texts take longer to compute than that, or that would wait behind more work
-than that, can only end in a time-out, after holding the queue and the CPU for the whole wait (8 MB of
-text over gRPC: 34 s, then ``DEADLINE_EXCEEDED``). The batcher records the best rate it has seen
-(:class:`Pace`: seconds per padded token, per length bucket, since attention makes long sequences
-dearer per token), and :func:`run` checks each request against it before queueing:
+A request never starts after its deadline (``BatcherConfig.timeout_ms``, or the client's shorter ``timeout``), so
+one whose texts take longer to compute than that, or that would wait behind more work than that, can only end in a
+time-out, after holding the queue and the CPU for the whole wait (8 MB of text over gRPC: 34 s, then
+``DEADLINE_EXCEEDED``). The batcher records the best rate it has seen (:class:`Pace`: seconds per padded token, per
+length bucket, since attention makes long sequences dearer per token), and :func:`run` checks each request against
+it before queueing:
 
-- its own parts cannot all start in time: **413** (gRPC ``RESOURCE_EXHAUSTED``) naming the tokens, the
-  rate and the deadline; no retry helps, fewer or shorter texts do;
-- the work already queued ahead would make it miss its deadline: **503** (``RESOURCE_EXHAUSTED``) with
-  ``Retry-After``.
+- its own parts cannot all start in time: ``too_large`` (413) naming the tokens, the rate and the deadline; no retry
+  helps, fewer or shorter texts do;
+- the work already queued ahead would make it miss its deadline: ``overloaded`` (retry later).
 
-The best rate seen is optimistic (it is a minimum over batches), so a borderline request is still
-admitted and times out as before; only clear misses are refused. Where the model has not yet run
-sequences of the request's lengths, a request of more than one batch first runs one batch of them
-(the probe), then the check decides on the rest.
+The best rate seen is optimistic (it is a minimum over batches), so a borderline request is still admitted and times
+out as before; only clear misses are refused. Where the model has not yet run sequences of the request's lengths, a
+request of more than one batch first runs one batch of them (the probe), then the check decides on the rest.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Choosing the next token: greedy, or sampled with temperature, top-k, top-p and a repetition penalty.
 
-:class:`SamplingParams` is what a caller asks for (``attnx generate`` flags, ``TextModel.generate``
-keywords, the server's request fields), checked once with one-line errors; :func:`next_token` applies it
-to one row of logits, in transformers' order: repetition penalty (CTRL's: a seen token's logit divided
-by the penalty when positive, multiplied when negative; prompt tokens count as seen), then temperature,
-top-k, top-p (the smallest set of most likely tokens whose probability reaches ``top_p``, at least one),
-then a draw from the rest with the request's own ``numpy`` generator (``seed``: the same tokens every
-time). Greedy (``temperature == 0``, or no sampling asked for) is the argmax, first on ties, after the
-repetition penalty: transformers' ``generate(do_sample=False)``.
+:class:`SamplingParams` is what a caller asks for (``attnx generate`` flags, ``TextModel.generate`` keywords, the
+server's request fields), checked once with one-line errors; :func:`next_token` applies it to one row of logits, in
+transformers' order: repetition penalty (CTRL's: a seen token's logit divided by the penalty when positive,
+multiplied when negative; prompt tokens count as seen), then temperature, top-k, top-p (the smallest set of most
+likely tokens whose probability reaches ``top_p``, at least one), then a draw from the rest with the request's own
+``numpy`` generator (``seed``: the same tokens every time). Greedy (``temperature == 0``, or no sampling asked for)
+is the argmax, first on ties, after the repetition penalty: transformers' ``generate(do_sample=False)``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """Step-level batching of concurrent generations (what vLLM calls continuous batching), on one thread.
 
-The requests decoding at a time share one batch (:class:`~attnx.runtime.core.decoding.DecodeState`): each run of
-the model advances every one of them by a token. Between two runs the loop
+The requests decoding at a time share one batch (:class:`~attnx.runtime.core.decoding.DecodeState`): each run of the
+model advances every one of them by a token. Between two runs the loop
 
-1. drops the rows whose request finished or was cancelled (a client that disconnected: its slot is free
-   for the next run);
-2. prefills the requests that arrived meanwhile, each on its own (a prompt is one run of its length),
-   and merges them into the batch (their caches left-padded with masked slots: exact);
+1. drops the rows whose request finished or was cancelled (a client that disconnected: its slot is free for the next
+   run);
+2. prefills the requests that arrived meanwhile, each on its own (a prompt is one run of its length), and merges
+   them into the batch (their caches left-padded with masked slots: exact);
 3. runs one decode step for the whole batch and hands each request its token and text
    (:class:`~attnx.runtime.core.generate.Generation` chooses, a :class:`Handle` delivers).
 
-At most ``max_batch`` rows decode together; more requests wait (``max_queue`` of them, then
-:class:`SchedulerFull`). The model's own threads do the arithmetic; this thread only drives it, so the
-event loop of the server never waits on compute. A failed run fails the requests in it (with the
-runtime's message) and the loop goes on.
+At most ``max_batch`` rows decode together; more requests wait (``max_queue`` of them, then :class:`SchedulerFull`).
+The model's own threads do the arithmetic; this thread only drives it, so the event loop of the server never waits
+on compute. A failed run fails the requests in it (with the runtime's message) and the loop goes on.
 """
 
 from __future__ import annotations

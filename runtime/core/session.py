@@ -1,22 +1,20 @@
 """Sessions: load a model once, run it many times with named numpy tensors.
 
-A session is the smallest runnable unit of the runtime. It knows its inputs and outputs as
-:class:`TensorSpec` (name, numpy dtype, shape with the dynamic axes named ``"batch"`` /
-``"seq"``, role) and runs feeds -> outputs. Every session is safe to call from several threads
-at once. The backends (:mod:`attnx.runtime.core.backends`) implement it:
+A session is the smallest runnable unit of the runtime. It knows its inputs and outputs as :class:`TensorSpec` (name,
+numpy dtype, shape with the dynamic axes named ``"batch"`` / ``"seq"``, role) and runs feeds -> outputs. Every session
+is safe to call from several threads at once. The backends (:mod:`attnx.runtime.core.backends`) implement it:
 
 - ONNX Runtime for ``.onnx`` files (CPU by default, CUDA when available and asked for);
 - TensorRT for ``.engine`` / ``.plan`` files, through :mod:`attnx.engine` where TensorRT can run.
 
-``load(path)`` picks one by the file suffix. Specs come from the file's own dims (the truth) with
-the names and roles of its attnx metadata (:class:`attnx.contract.ModelInfo`), or the contract's
-default roles for any other file.
+``load(path)`` picks one by the file suffix. Specs come from the file's own dims (the truth) with the names and roles
+of its attnx metadata (:class:`attnx.contract.ModelInfo`), or the contract's default roles for any other file.
 
-Feeds may omit ``attention_mask``: it then means "every token is real" (all ones for the
-request's length), and ``token_type_ids`` (all zeros: one segment), the same convention the batcher
-and the server use; so may an input whose metadata entry has ``default: "zeros"`` (a neutral placed
-variant's context inputs), which is then zeros of the request's batch size. Integer inputs with a declared ``[low, high)`` range (token ids, type ids) are
-checked against it.
+Feeds may omit ``attention_mask``: it then means "every token is real" (all ones for the request's length), and
+``token_type_ids`` (all zeros: one segment), the same convention the batcher and the server use; so may an input whose
+metadata entry has ``default: "zeros"`` (a neutral placed variant's context inputs), which is then zeros of the
+request's batch size. Integer inputs with a declared ``[low, high)`` range (token ids, type ids) are checked against
+it.
 """
 
 from __future__ import annotations
@@ -180,9 +178,8 @@ class Session:
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Check names, dtypes, ranks and fixed dims; fill an omitted attention mask with ones.
 
-        Raises :class:`InputError` for anything that does not fit. Arrays are not
-        cast between dtypes: a float64 array for a float32 input is an error,
-        because silently casting hides client bugs and costs a copy per call.
+        Raises :class:`InputError` for anything that does not fit. Arrays are not cast between dtypes: a float64 array
+        for a float32 input is an error, because silently casting hides client bugs and costs a copy per call.
         """
         unknown = sorted(set(feeds) - set(self.input_names))
         if unknown:

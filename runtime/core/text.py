@@ -1,19 +1,18 @@
 """Text in: tokenise on the serving side, the way the model was trained to be fed.
 
-:class:`TextTokenizer` wraps a ``tokenizer.json`` (the Hugging Face ``tokenizers`` library, Rust,
-thread-safe) with the settings an export's metadata states (:attr:`attnx.contract.ModelInfo.tokenizer`:
-folder, max length, truncation side, pad id) or, for a file attnx did not write, those of a tokenizer
-folder (``attnx serve model.onnx --tokenizer DIR``). The file's own padding is always disabled (the
-batcher pads, with the pad id) and its own truncation replaced by the export's: all-MiniLM-L6-v2's
-``tokenizer.json`` pads every text to 128 and truncates at 128, while sentence-transformers truncates
-at ``max_seq_length`` 256 (docs: /work/shared/spec/environment.md).
+:class:`TextTokenizer` wraps a ``tokenizer.json`` (the Hugging Face ``tokenizers`` library, Rust, thread-safe) with
+the settings an export's metadata states (:attr:`attnx.contract.ModelInfo.tokenizer`: folder, max length, truncation
+side, pad id) or, for a file attnx did not write, those of a tokenizer folder (``attnx serve model.onnx --tokenizer
+DIR``). The file's own padding is always disabled (the batcher pads, with the pad id) and its own truncation
+replaced by the export's: all-MiniLM-L6-v2's ``tokenizer.json`` pads every text to 128 and truncates at 128, while
+sentence-transformers truncates at ``max_seq_length`` 256 (docs: /work/shared/spec/environment.md).
 
-Each text, or (query, document) pair for a cross-encoder (:meth:`TextTokenizer.tokenize_pairs`: the pair
-template, longest-first truncation), becomes one row of token ids (:class:`Encoded`); :func:`text_feeds` turns it into a
-model's inputs (``input_ids``, an all-ones ``attention_mask``, ``token_type_ids``, and any per-example
-context row) and :func:`stack_rows` puts per-text outputs back together, padding outputs with a
-sequence axis with zeros to the longest text. The server (:mod:`attnx.runtime.apis.registry`) and the
-embedded :class:`~attnx.runtime.core.encode.TextModel` both use them, so both give the same numbers.
+Each text, or (query, document) pair for a cross-encoder (:meth:`TextTokenizer.tokenize_pairs`: the pair template,
+longest-first truncation), becomes one row of token ids (:class:`Encoded`); :func:`text_feeds` turns it into a
+model's inputs (``input_ids``, an all-ones ``attention_mask``, ``token_type_ids``, and any per-example context row)
+and :func:`stack_rows` puts per-text outputs back together, padding outputs with a sequence axis with zeros to the
+longest text. The server (:mod:`attnx.runtime.apis.registry`) and the embedded
+:class:`~attnx.runtime.core.encode.TextModel` both use them, so both give the same numbers.
 """
 
 from __future__ import annotations
@@ -172,14 +171,13 @@ class TextTokenizer:
         return self._encode(list(texts), truncate, "text", add_special_tokens)
 
     def tokenize_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool = True) -> list[Encoded]:
-        """Token ids for each ``(first, second)`` pair, in the tokenizer's own pair template (BERT:
-        ``[CLS] a [SEP] b [SEP]``, segment ids 1 on ``b``), as a cross-encoder is fed a (query, document).
+        """Token ids for each ``(first, second)`` pair, in the tokenizer's own pair template (BERT: ``[CLS] a [SEP] b
+        [SEP]``, segment ids 1 on ``b``), as a cross-encoder is fed a (query, document).
 
-        Past the max length, tokens come off the longer of the two texts, one at a time, until the pair
-        fits ("longest first", on the truncation side): what sentence-transformers' CrossEncoder asks of
-        transformers' tokenizer (``truncation="longest_first"``, the same Rust code) and what TEI does, so
-        a long document never pushes the query out. Either text may be empty (the template still gives
-        tokens)."""
+        Past the max length, tokens come off the longer of the two texts, one at a time, until the pair fits ("longest
+        first", on the truncation side): what sentence-transformers' CrossEncoder asks of transformers' tokenizer
+        (``truncation="longest_first"``, the same Rust code) and what TEI does, so a long document never pushes the
+        query out. Either text may be empty (the template still gives tokens)."""
         for i, pair in enumerate(pairs):
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
                 raise InputError(f"pair {i} is not two strings")

@@ -1,15 +1,14 @@
 """``attnx serve --api-key``: one bearer key on every route but the health checks, over HTTP and gRPC.
 
-Clients send ``Authorization: Bearer KEY`` (what the ``openai`` client sends from ``api_key``, TEI clients
-and ``huggingface_hub`` from ``token``, ``tritonclient`` from ``headers=``; gRPC: the ``authorization``
-metadata key). The key comes from ``--api-key`` or, kept out of ``ps`` and shell history, the
-``ATTNX_API_KEY`` environment variable.
+Clients send ``Authorization: Bearer KEY`` (what the ``openai`` client sends from ``api_key``, TEI clients and
+``huggingface_hub`` from ``token``, ``tritonclient`` from ``headers=``; gRPC: the ``authorization`` metadata key). The
+key comes from ``--api-key`` or, kept out of ``ps`` and shell history, the ``ATTNX_API_KEY`` environment variable.
 
-The comparison is :func:`hmac.compare_digest` over SHA-256 digests of the sent and the configured key, so
-its time depends on neither the key's content nor its length. Health routes stay open (a Kubernetes probe
-carries no key): KServe's ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/{m}[/versions/{v}]/ready``,
-TEI's ``/health``, and gRPC's ``ServerLive``, ``ServerReady``, ``ModelReady``. Everything else, ``/metrics``
-included, answers 401 without the key (gRPC: ``UNAUTHENTICATED``), in the error shape of the API asked
+The comparison is :func:`hmac.compare_digest` over SHA-256 digests of the sent and the configured key, so its time
+depends on neither the key's content nor its length. Health routes stay open (a Kubernetes probe carries no key):
+KServe's ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/{m}[/versions/{v}]/ready``, TEI's ``/health``, and
+gRPC's ``ServerLive``, ``ServerReady``, ``ModelReady``. Everything else, ``/metrics`` included, answers 401 without
+the key (gRPC: ``UNAUTHENTICATED``), in the error shape of the API asked
 (:func:`attnx.runtime.wire.errors.shape_of_path`).
 """
 
@@ -21,7 +20,7 @@ import re
 
 import grpc
 
-from attnx.runtime.wire.errors import Kind, ProtocolError, shape_of_path
+from attnx.runtime.wire.errors import GRPC, Kind, ProtocolError, shape_of_path
 
 #: The environment variable ``attnx serve`` reads the key from when ``--api-key`` is not given.
 ENV_VAR = "ATTNX_API_KEY"
@@ -95,7 +94,7 @@ class GrpcApiKeyInterceptor(grpc.aio.ServerInterceptor):
         """A handler of the method's own kind (unary or streaming) that answers UNAUTHENTICATED."""
 
         async def deny(request_or_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._MESSAGE)
+            await context.abort(GRPC.status(ProtocolError(Kind.UNAUTHENTICATED, self._MESSAGE)), self._MESSAGE)
 
         if handler.request_streaming or handler.response_streaming:
             make = {(True, True): grpc.stream_stream_rpc_method_handler,

@@ -1,18 +1,12 @@
 """The one envelope around every request, HTTP and gRPC: admission, bodies, metrics, disconnects, errors, logs.
 
-Every route hands its work to :class:`Envelope` (``await envelope.http(request, shape, work)``, or a gRPC
-handler from :meth:`Envelope.grpc_unary` / :meth:`Envelope.grpc_stream`), and the envelope:
-
-- reads the body under the server's rules (:meth:`Envelope.body`: 413 before a byte is read when
-  ``Content-Length`` is over the limit; the bytes being read and decoded held in the shared
-  :class:`~attnx.runtime.wire.limits.ByteBudget`; decoding on the worker policy's thread when large);
-- admits by queue room (:meth:`Envelope.admitted`: a model whose queue is full refuses before its body is read;
-  :meth:`~attnx.runtime.apis.registry.ModelRegistry.room` refuses what can never fit as ``too_large``);
-- counts each request once in the metrics (success with its latency, or failure by :class:`Kind`), under the
-  model's name once the work names it (``_unknown_`` before: a bounded label set);
-- turns a client that went away into ``client_gone``, and any other exception into one ``internal`` line (the
-  traceback goes to the log, never to the client): the server never dies on a request;
-- answers every refusal in the wire shape the route speaks (:mod:`attnx.runtime.wire.errors`).
+Every route hands its work to :class:`Envelope` (``await envelope.http(request, shape, work)``, or a gRPC handler
+from :meth:`Envelope.grpc_unary` / :meth:`Envelope.grpc_stream`). It reads bodies under the server's rules
+(:meth:`Envelope.body`: 413 before reading, the shared byte budget, decoding on the worker thread when large),
+admits by queue room (:meth:`Envelope.admitted`: a full queue refuses before the body is read), counts each
+request once in the metrics (by :class:`Kind` when refused, under the model's name once the work names it),
+turns a client that left into ``client_gone`` and any other exception into one ``internal`` line (the traceback
+goes to the log): the server never dies on a request. Refusals go out in the route's wire shape.
 """
 
 from __future__ import annotations

@@ -4,24 +4,7 @@ Everything the serving stack refuses is a :class:`ProtocolError` with a :class:`
 the server's words) and a one-line message; ``param`` names the request field at fault when there is one.
 What a client sees is decided here and only here, by the table of the wire shape it speaks:
 
-================  =========  ===========================  =================  ==================  ==================
-kind              KServe     KServe gRPC                  OpenAI             TEI                 TEI gRPC
-================  =========  ===========================  =================  ==================  ==================
-bad_input         400        INVALID_ARGUMENT             400                422 Validation      INVALID_ARGUMENT
-empty             400        INVALID_ARGUMENT             400                400 Empty           INVALID_ARGUMENT
-too_many          400        INVALID_ARGUMENT             400                413 Validation      INVALID_ARGUMENT
-too_large         413        RESOURCE_EXHAUSTED           413                413 Validation      INVALID_ARGUMENT
-unprocessable     422        INVALID_ARGUMENT             422                422 Validation      INVALID_ARGUMENT
-not_found         404        NOT_FOUND                    404                404 Validation      NOT_FOUND
-unauthenticated   401        UNAUTHENTICATED              401                401 Unauthorized    UNAUTHENTICATED
-overloaded        503        RESOURCE_EXHAUSTED           429                429 Overloaded      RESOURCE_EXHAUSTED
-timeout           503        DEADLINE_EXCEEDED            429                429 Overloaded      DEADLINE_EXCEEDED
-shutting_down     503        UNAVAILABLE                  503                503 Unhealthy       UNAVAILABLE
-unimplemented     501        UNIMPLEMENTED                501                501 Validation      UNIMPLEMENTED
-client_gone       499        CANCELLED                    499                499 Validation      CANCELLED
-internal          500        INTERNAL                     500                500 Backend         INTERNAL
-================  =========  ===========================  =================  ==================  ==================
-
+The tables below are the only place a kind becomes a status (docs/serving.md shows them side by side).
 Overload answers carry ``Retry-After: 1`` (the cue to back off); what can never fit (``too_large``) carries
 none. ``too_many`` is a count of inputs over ``--max-inputs``: OpenAI answers 400 for it, TEI 413.
 ``unprocessable``: a valid request whose result JSON cannot carry (NaN or infinities in an output).
@@ -34,8 +17,6 @@ import enum
 import json
 from dataclasses import dataclass
 from typing import Callable
-
-import grpc
 
 
 class Kind(str, enum.Enum):
@@ -83,17 +64,17 @@ def overloaded(message: str) -> ProtocolError:
 
 
 K = Kind
-G = grpc.StatusCode
 #: KServe v2 over HTTP (and Triton's generate extension, the explain pages): ``{"error": message}``.
 KSERVE_HTTP = {K.BAD_INPUT: 400, K.EMPTY: 400, K.TOO_MANY: 400, K.TOO_LARGE: 413, K.UNPROCESSABLE: 422,
                K.NOT_FOUND: 404, K.UNAUTHENTICATED: 401, K.OVERLOADED: 503, K.TIMEOUT: 503, K.SHUTTING_DOWN: 503,
                K.UNIMPLEMENTED: 501, K.CLIENT_GONE: 499, K.INTERNAL: 500}
-#: KServe v2 over gRPC (``inference.GRPCInferenceService``): a full queue is RESOURCE_EXHAUSTED, as Triton says it.
-KSERVE_GRPC = {K.BAD_INPUT: G.INVALID_ARGUMENT, K.EMPTY: G.INVALID_ARGUMENT, K.TOO_MANY: G.INVALID_ARGUMENT,
-               K.TOO_LARGE: G.RESOURCE_EXHAUSTED, K.UNPROCESSABLE: G.INVALID_ARGUMENT, K.NOT_FOUND: G.NOT_FOUND,
-               K.UNAUTHENTICATED: G.UNAUTHENTICATED, K.OVERLOADED: G.RESOURCE_EXHAUSTED,
-               K.TIMEOUT: G.DEADLINE_EXCEEDED, K.SHUTTING_DOWN: G.UNAVAILABLE, K.UNIMPLEMENTED: G.UNIMPLEMENTED,
-               K.CLIENT_GONE: G.CANCELLED, K.INTERNAL: G.INTERNAL}
+#: KServe v2 over gRPC (``inference.GRPCInferenceService``), ``grpc.StatusCode`` names (grpc is imported only by
+#: a server with a gRPC port): a full queue is RESOURCE_EXHAUSTED, as Triton says it.
+KSERVE_GRPC = {K.BAD_INPUT: "INVALID_ARGUMENT", K.EMPTY: "INVALID_ARGUMENT", K.TOO_MANY: "INVALID_ARGUMENT",
+               K.TOO_LARGE: "RESOURCE_EXHAUSTED", K.UNPROCESSABLE: "INVALID_ARGUMENT", K.NOT_FOUND: "NOT_FOUND",
+               K.UNAUTHENTICATED: "UNAUTHENTICATED", K.OVERLOADED: "RESOURCE_EXHAUSTED", K.TIMEOUT: "DEADLINE_EXCEEDED",
+               K.SHUTTING_DOWN: "UNAVAILABLE", K.UNIMPLEMENTED: "UNIMPLEMENTED", K.CLIENT_GONE: "CANCELLED",
+               K.INTERNAL: "INTERNAL"}
 #: OpenAI (and Cohere/Jina rerank, Infinity classify): status, ``type``, ``code``. Overload is 429, which the
 #: ``openai`` client retries after ``Retry-After``.
 OPENAI = {K.BAD_INPUT: (400, "invalid_request_error", None), K.EMPTY: (400, "invalid_request_error", "empty_input"),
@@ -114,7 +95,7 @@ TEI_HTTP = {K.BAD_INPUT: (422, "Validation"), K.EMPTY: (400, "Empty"), K.TOO_MAN
             K.SHUTTING_DOWN: (503, "Unhealthy"), K.UNIMPLEMENTED: (501, "Validation"),
             K.CLIENT_GONE: (499, "Validation"), K.INTERNAL: (500, "Backend")}
 #: TEI's ``tei.v1`` over gRPC: its validation errors (too many inputs among them) are INVALID_ARGUMENT.
-TEI_GRPC = {**KSERVE_GRPC, K.TOO_LARGE: G.INVALID_ARGUMENT}
+TEI_GRPC = {**KSERVE_GRPC, K.TOO_LARGE: "INVALID_ARGUMENT"}
 
 
 @dataclass(frozen=True)
@@ -126,7 +107,12 @@ class Shape:
     body: Callable[[ProtocolError, object], dict] | None = None
 
     def status(self, error: ProtocolError):
+        """The HTTP status, or the ``grpc.StatusCode``, of ``error`` in this shape."""
         row = self.table[error.kind]
+        if isinstance(row, str):
+            import grpc
+
+            return getattr(grpc.StatusCode, row)
         return row[0] if isinstance(row, tuple) else row
 
     def http(self, error: ProtocolError) -> tuple[int, bytes, dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ def create_app(state: Serving, routers: Iterable[APIRouter], on_shutdown: Callab
     for router in routers:
         app.include_router(router)
     if openapi is not None:
-        app.openapi = lambda: app.openapi_schema or _cache(app, openapi(app))
+        app.openapi = functools.cache(lambda: openapi(app))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -94,8 +95,3 @@ def create_app(state: Serving, routers: Iterable[APIRouter], on_shutdown: Callab
             Kind.INTERNAL, f"internal error: {type(exc).__name__}: {public_message(str(exc))}"))
 
     return app
-
-
-def _cache(app: FastAPI, schema: dict) -> dict:
-    app.openapi_schema = schema
-    return schema

@@ -1,21 +1,16 @@
 """What one request may ask of the server, and how the work it brings is kept off the event loop.
 
 - :class:`Limits`: body size, tensor elements, texts and tokens per request (one set for every API).
-- :class:`ByteBudget`: a JSON body costs a few times its size while it is decoded (text, then numbers,
-  then arrays), so the bytes of bodies being read and decoded at once are bounded, taken before the body is
-  read (from ``Content-Length``) and given back once it is decoded. Requests beyond it wait in arrival
-  order, up to a deadline, then are refused as overloaded. The budget is shared by the HTTP and gRPC front
-  ends (different threads and event loops): a lock plus per-waiter futures woken with
-  ``call_soon_threadsafe``. A body of unknown length (chunked) is charged the body limit.
-- :func:`declared_length` and :func:`read_body`: an HTTP body under these rules (413 before reading when
-  ``Content-Length`` is over the limit, one buffer of the declared size).
+- :class:`ByteBudget`: a JSON body costs a few times its size while it is decoded, so the bytes of bodies being
+  read and decoded at once are bounded (taken from ``Content-Length`` before reading; a chunked body is charged
+  the body limit); beyond it requests wait in arrival order, then are refused as overloaded. Shared by the HTTP
+  and gRPC front ends (two event loops: a lock plus futures woken with ``call_soon_threadsafe``).
+- :func:`declared_length`, :func:`read_body`: 413 before reading, one buffer of the declared size.
 - :class:`Workers`: the one worker policy. Work whose cost grows with the input (decoding JSON, tokenising,
-  encoding big answers) runs inline only when it is small, else on one worker thread: these calls hold the
-  GIL in C code, and one thread is all the event loop (health probes, other sockets) then competes with.
-  Two threads decode no faster under the GIL and doubled health-probe latency under 40 JSON clients
-  (benchmarks/bench_server_load.py). Tokenising is bounded before it starts by a character cap per text
-  (:attr:`attnx.runtime.core.text.TextTokenizer.char_cap`), chat templates render in their own process
-  (:mod:`attnx.runtime.core.chat`).
+  encoding big answers) runs inline only when small, else on one thread: these calls hold the GIL in C code,
+  and one thread is all the event loop then competes with (two decode no faster, and doubled health-probe
+  latency under 40 JSON clients: benchmarks/bench_server_load.py). Texts are cut to their model's character
+  cap before tokenising; chat templates render in their own process (:mod:`attnx.runtime.core.chat`).
 """
 
 from __future__ import annotations
@@ -38,17 +33,16 @@ class Limits:
     """What one request may ask of the server.
 
     - ``max_body_bytes``: the HTTP body (after decompression) or gRPC message, default 64 MiB.
-    - ``max_tensor_elements``: elements in one tensor (checked on the declared
-      shape, before any allocation), default 16 Mi.
+    - ``max_tensor_elements``: elements in one tensor (checked on the declared shape, before any allocation), default
+      16 Mi.
     - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
-    - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it
-      declares one, else unlimited).
+    - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it declares one, else unlimited).
     - ``max_texts``: strings in one text request (inputs of an OpenAI or TEI embedding request), default 1024.
-    - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and
-      truncation, default 300,000 (OpenAI's own per-request limit); over it is a 413.
-    - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests
-      (default: the larger of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to
-      ``decode_wait_s`` seconds, then are refused as overloaded.
+    - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and truncation, default
+      300,000 (OpenAI's own per-request limit); over it is a 413.
+    - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests (default: the larger
+      of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to ``decode_wait_s`` seconds, then are refused as
+      overloaded.
 
     Limits that would refuse every request (a body limit or max seq below 1) are refused here.
     """
@@ -200,6 +194,11 @@ async def read_body(request, limit: int, size: int | None) -> bytearray:
 INLINE_COST = 32 << 10
 #: After a request this big, freed heap pages go back to the system (glibc keeps them otherwise).
 _TRIM_BYTES = 4 << 20
+try:
+    _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):  # not glibc
+    _LIBC = None
 
 
 class Workers:
@@ -215,21 +214,8 @@ class Workers:
 
     def trim(self, size: int) -> None:
         """After a request of ``size`` bytes: give freed memory back to the system, on the worker thread."""
-        if size >= _TRIM_BYTES and _libc() is not None:
-            self._pool.submit(_libc().malloc_trim, 0)
+        if size >= _TRIM_BYTES and _LIBC is not None:
+            self._pool.submit(_LIBC.malloc_trim, 0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-
-
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.append(lib if hasattr(lib, "malloc_trim") else None)
-        except OSError:
-            _LIBC.append(None)
-    return _LIBC[0]

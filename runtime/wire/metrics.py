@@ -1,9 +1,8 @@
 """Prometheus metrics for the server: distributions (histograms), not only counters.
 
-Each server owns its own ``CollectorRegistry`` so several servers in one
-process (tests, embedding) do not collide in the global registry. It also
-carries the process collector (``process_resident_memory_bytes``, CPU seconds,
-open files), so a load test can read the server's memory from ``/metrics``.
+Each server owns its own ``CollectorRegistry`` so several servers in one process (tests, embedding) do not collide
+in the global registry. It also carries the process collector (``process_resident_memory_bytes``, CPU seconds, open
+files), so a load test can read the server's memory from ``/metrics``.
 """
 
 from __future__ import annotations
@@ -30,51 +29,24 @@ class ServerMetrics:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)
         self.registry = registry
-        r = self.registry
-        self.request_latency = Histogram(
-            "attnx_request_latency_seconds",
-            "Inference request latency, from body received to response ready.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "attnx_queue_time_seconds",
-            "Time a request waited in the batcher queue before its batch started.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.compute_time = Histogram(
-            "attnx_compute_time_seconds",
-            "Time to pad, run and split one batch.",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.batch_size = Histogram(
-            "attnx_batch_size",
-            "Rows in each batch the model ran.",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.batch_requests = Histogram(
-            "attnx_batch_requests",
-            "Requests merged into each batch.",
-            ["model"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.successes = Counter(
-            "attnx_request_success", "Inference requests answered with 200.", ["model"], registry=r
-        )
-        self.failures = Counter(
-            "attnx_request_failures", "Inference requests that failed, by reason.", ["model", "reason"], registry=r
-        )
-        self.queue_depth = Gauge(
-            "attnx_queue_depth", "Requests waiting in the batcher queue.", ["model"], registry=r
-        )
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=registry)
+
+        self.request_latency = histogram("attnx_request_latency_seconds",
+                                         "Request latency, from body received to response ready.", LATENCY_BUCKETS)
+        self.queue_time = histogram("attnx_queue_time_seconds",
+                                    "Time a request waited in the batcher queue before its batch started.",
+                                    LATENCY_BUCKETS)
+        self.compute_time = histogram("attnx_compute_time_seconds", "Time to pad, run and split one batch.",
+                                      LATENCY_BUCKETS)
+        self.batch_size = histogram("attnx_batch_size", "Rows in each batch the model ran.", BATCH_BUCKETS)
+        self.batch_requests = histogram("attnx_batch_requests", "Requests merged into each batch.", BATCH_BUCKETS)
+        self.successes = Counter("attnx_request_success", "Requests answered with success.", ["model"],
+                                 registry=registry)
+        self.failures = Counter("attnx_request_failures", "Requests that failed, by kind (wire/errors.py).",
+                                ["model", "reason"], registry=registry)
+        self.queue_depth = Gauge("attnx_queue_depth", "Requests waiting in the model's queue (batcher or "
+                                 "generation scheduler).", ["model"], registry=registry)
 
     def observer(self, model: str) -> "ModelObserver":
         """The batcher-side hook for one model."""

@@ -70,30 +70,28 @@ def ort_providers(device: str = "auto") -> list[str]:
 
 @dataclass
 class OrtOptions:
-    """ONNX Runtime settings a service cares about; the defaults are what ``benchmarks/bench_ort_settings.py``
-    measured best or equal (docs/performance.md). Override through ``attnx.runtime.load(path, **options)``.
+    """ONNX Runtime settings a service cares about; the defaults are what ``benchmarks/bench_ort_settings.py`` measured
+    best or equal (docs/performance.md). Override through ``attnx.runtime.load(path, **options)``.
 
     - ``threads``: intra-op threads (default: the CPUs this process may use).
-    - ``inter_threads``: inter-op threads (default 1: the graph runs sequentially; an encoder is a chain,
-      parallel branches are rare, and more pools only compete for the same cores).
-    - ``spin``: let idle pool threads busy-wait. Off by default: a served model
-      is idle between batches, and spinning threads would steal the cores the
-      HTTP front end and the other models need (measured: no faster when busy, either).
+    - ``inter_threads``: inter-op threads (default 1: the graph runs sequentially; an encoder is a chain, parallel
+      branches are rare, and more pools only compete for the same cores).
+    - ``spin``: let idle pool threads busy-wait. Off by default: a served model is idle between batches, and spinning
+      threads would steal the cores the HTTP front end and the other models need (measured: no faster when busy,
+      either).
     - ``optimization``: graph optimization level (``all``, ``extended``, ``basic``, ``none``).
-    - ``arena``: ORT's CPU memory arena (default on: buffers are reused between calls; off returns them
-      to the system after each call, for a lower resident footprint at some latency).
+    - ``arena``: ORT's CPU memory arena (default on: buffers are reused between calls; off returns them to the system
+      after each call, for a lower resident footprint at some latency).
     - ``mem_pattern``: pre-plan buffers from the first call's shapes (default on).
-    - ``disabled_optimizers``: ORT graph rewrites to skip. Default ``SkipLayerNormFusion``: its fused
-      CPU kernel was slower than the LayerNormalization + Add it replaces on the BERT exports
-      (all-MiniLM-L6-v2 fp32: 1.06-1.14x faster at 8x128 without it, 1.05-1.07x at 1x128;
-      int8 files unchanged). ``()`` runs every rewrite of the level.
-    - ``denormal_as_zero``: ORT's pool threads flush denormal floats to zero (FTZ/DAZ). Default on:
-      softmax over wide logits (SMAL's distances) underflows into denormals, which x86 computes
-      with microcode assists (measured: a SMAL encoder 1.79x faster at 8x512, MiniLM 1.03-1.11x).
-      Values below 1.2e-38 become 0. ORT's intra-op work also runs on the calling thread, so
-      :class:`OnnxRuntimeSession` flushes there too for the length of each run (:func:`denormals_flushed`),
-      and restores the thread's mode after it. ORT alone would set it for good on the thread that
-      creates the session; attnx restores that thread too.
+    - ``disabled_optimizers``: ORT graph rewrites to skip. Default ``SkipLayerNormFusion``: its fused CPU kernel was
+      slower than the LayerNormalization + Add it replaces on the BERT exports (all-MiniLM-L6-v2 fp32: 1.06-1.14x
+      faster at 8x128 without it, 1.05-1.07x at 1x128; int8 files unchanged). ``()`` runs every rewrite of the level.
+    - ``denormal_as_zero``: ORT's pool threads flush denormal floats to zero (FTZ/DAZ). Default on: softmax over wide
+      logits (SMAL's distances) underflows into denormals, which x86 computes with microcode assists (measured: a SMAL
+      encoder 1.79x faster at 8x512, MiniLM 1.03-1.11x). Values below 1.2e-38 become 0. ORT's intra-op work also runs
+      on the calling thread, so :class:`OnnxRuntimeSession` flushes there too for the length of each run
+      (:func:`denormals_flushed`), and restores the thread's mode after it. ORT alone would set it for good on the
+      thread that creates the session; attnx restores that thread too.
     """
 
     device: str = "auto"

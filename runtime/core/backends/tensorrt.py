@@ -1,11 +1,10 @@
-"""TensorRT engines: :class:`EngineSession` (an ``.engine`` / ``.plan`` file, run through
-:class:`attnx.engine.Engine`) and :func:`engine_io_specs` (an engine's I/O specs without running it:
-what ``attnx triton-repo`` uses on a machine without a GPU).
+"""TensorRT engines: :class:`EngineSession` (an ``.engine`` / ``.plan`` file, run through :class:`attnx.engine.Engine`)
+and :func:`engine_io_specs` (an engine's I/O specs without running it: what ``attnx triton-repo`` uses on a machine
+without a GPU).
 
-I/O specs come from the build sidecar (:func:`attnx.contract.read_sidecar`; ``attnx build-engine``
-lists every tensor there) or the source ONNX, which name the ``batch``/``seq`` dims; failing those,
-from the engine itself, reading its first dynamic dim as ``batch`` and its second as ``seq`` (the
-export contract's order).
+I/O specs come from the build sidecar (:func:`attnx.contract.read_sidecar`; ``attnx build-engine`` lists every
+tensor there) or the source ONNX, which name the ``batch``/``seq`` dims; failing those, from the engine itself,
+reading its first dynamic dim as ``batch`` and its second as ``seq`` (the export contract's order).
 """
 
 from __future__ import annotations
