@@ -151,6 +151,7 @@ class InferenceServer:
             self.grpc = GrpcFrontEnd([Servicer(self.state), TeiService(self.state)], self.limits, host=host,
                                      port=grpc_port, interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
         self._socket: socket.socket | None = None
+        self._bound_port: int | None = None
         self._uvicorn = None
         self._thread: threading.Thread | None = None
 
@@ -202,7 +203,7 @@ class InferenceServer:
     @property
     def port(self) -> int:
         """The port it listens on (the chosen one when constructed with port 0)."""
-        return self._socket.getsockname()[1] if self._socket is not None else self.requested_port
+        return self._bound_port or self.requested_port
 
     @property
     def address(self) -> str:
@@ -223,6 +224,7 @@ class InferenceServer:
         serving); the gRPC service starts answering here."""
         if self._socket is None:
             self._socket = listen_socket(self.host, self.requested_port)
+            self._bound_port = self._socket.getsockname()[1]
             if self.grpc is not None:
                 try:
                     self.grpc.start()

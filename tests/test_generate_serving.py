@@ -298,16 +298,27 @@ def test_what_can_never_fit_is_413_not_a_retryable_429(http):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v2/models/llm/generate"])
-def test_a_3mb_prompt_is_refused_at_once_without_tokenising_it_all(http, path):
-    """A 3 MB prompt was tokenised untruncated on the event loop (29 s without a health answer); the model's 64
-    positions hold at most 64 x 64 characters."""
+def test_a_3mb_prompt_is_refused_without_tokenising_it_all(server, http, path, monkeypatch):
+    """A 3 MB prompt was tokenised untruncated on the event loop (29 s without a health answer). The model's 64
+    positions hold at most 64 x 64 characters: no more of the prompt reaches the tokenizer."""
+    from conftest_runtime import spy_on
+
+    seen = spy_on(server.generators["llm"].tokenizer, monkeypatch)
     text = "the cat sat on the mat " * 140_000
     body = {"model": "llm", "prompt": text, "text_input": text, "messages": [{"role": "user", "content": text}]}
     r = http.post(path, json=body)
     assert r.status_code in (400, 413), r.text[:300]
     message = r.json()["error"]["message"] if path.startswith("/v1") else r.json()["error"]
     assert "\n" not in message and any(w in message for w in ("characters", "positions", "max length")), message
+    assert max(seen, default=0) <= 64 * 64
     assert http.get("/v2/health/live").status_code == 200
+
+
+def test_a_generation_context_with_nan_is_refused(http):
+    """One of the two parse_context copies (the generation routes') let NaN through to the model."""
+    body = '{"model": "smal", "prompt": "the cat", "max_tokens": 2, "context": {"self_state": [[NaN' + ", 0" * 31 + "]]}}"
+    r = http.post("/v1/completions", content=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "context" and "NaN" in r.json()["error"]["message"]
 
 
 HOSTILE = ("{%- set m = messages[-1]['content'] %}"

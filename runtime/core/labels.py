@@ -10,7 +10,6 @@ text-classification pipeline does), and ``raw_scores`` gives the logits themselv
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,17 +75,9 @@ def read_labels(info, tokenizer_folder: Path, width: Any) -> Labels | None:
     return Labels(names, hf.get("problem_type") == "multi_label_classification", activation == _IDENTITY)
 
 
-@functools.lru_cache(maxsize=64)
-def _json_object_cached(path: str, mtime: float) -> dict:
+def _json_object(path: Path) -> dict:
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}  # labels then default to LABEL_i; the model still serves
     return data if isinstance(data, dict) else {}
-
-
-def _json_object(path: Path) -> dict:
-    try:
-        return _json_object_cached(str(path), path.stat().st_mtime)
-    except OSError:
-        return {}
