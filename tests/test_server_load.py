@@ -139,7 +139,7 @@ def test_overload_is_refused_before_the_body_is_read(session):
         while srv.models["maw"].batcher.queue_depth < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         try:
-            with socket.create_connection((srv.config.host, srv.port), timeout=10) as sock:
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
                 sock.sendall(b"POST /v2/models/maw/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n" % (8 << 20))
                 reply = _read_response(sock)  # times out (fails) if the server waits for the body
@@ -346,7 +346,7 @@ def test_a_long_token_id_list_to_minilm_gives_the_binary_numbers_and_bad_ids_get
 def test_a_client_that_disconnects_mid_body_is_not_an_internal_error(session):
     with running_server({"maw": session.path}) as srv:
         for _ in range(3):
-            with socket.create_connection((srv.config.host, srv.port), timeout=10) as sock:
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
                 sock.sendall(b"POST /v2/models/maw/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
                              + b'{"inputs": [' + b" " * 5000)
         deadline = time.monotonic() + 20
