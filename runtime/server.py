@@ -138,7 +138,8 @@ class InferenceServer:
         for message in self.warnings:
             (on_warning or logging.getLogger("attnx.serve").warning)(message)
         self.state = Serving(self.registry, Envelope(self.registry, self.metrics, self.limits, self.budget, Workers()),
-                             self.metrics, self.limits, dimensions or Dimensions(), list(EXTENSIONS), chat=self.chat)
+                             self.metrics, self.limits, dimensions or Dimensions(), list(EXTENSIONS), chat=self.chat,
+                             string_cap=_string_cap(self.registry))
         self.app = create_app(self.state, ROUTERS, on_shutdown=self._on_shutdown, openapi=_openapi)
         if key is not None:
             self.app.add_middleware(ApiKeyMiddleware, key=key)
@@ -286,6 +287,12 @@ class InferenceServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _string_cap(registry: ModelRegistry) -> int | None:
+    """The most characters any served model reads of one text (None: some model states no limit)."""
+    caps = [m.tokenizer.char_cap for m in registry.models.values() if m.tokenizer is not None]
+    return max(caps) if caps and None not in caps else None
 
 
 def _openapi(app) -> dict:

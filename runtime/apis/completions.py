@@ -46,7 +46,7 @@ async def _serve(request: Request, kind: type) -> Response:
     s = serving(request)
 
     async def work(call: Call) -> Response:
-        body = await s.envelope.body(request, call, lambda raw: parse(kind, raw))
+        body = await s.envelope.body(request, call, lambda raw: parse(kind, raw, s.string_cap))
         model = call.named(s.registry.pick(body.model, GENERATE))
         return await _answer(s, request, model, body)
 

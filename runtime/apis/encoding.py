@@ -1,16 +1,10 @@
-"""Texts through an encoder, for every API that embeds or scores: OpenAI's and TEI's embeddings, TEI's predict
-and rerank, Cohere/Jina's rerank, Infinity's classify (HTTP and TEI's gRPC).
+"""Texts through an encoder, for every API that embeds or scores (OpenAI, TEI, Cohere/Jina, Infinity; HTTP and gRPC).
 
-The inputs (strings, token-id lists in the model's own vocabulary used as given, or (query, document) pairs in
-the tokenizer's pair template, cut longest-first) are tokenised on the worker policy's thread when large, each
-cut to the model's character cap first (:attr:`~attnx.runtime.core.text.TextTokenizer.char_cap`); the request's
-tokens are held to ``--max-request-tokens``; each input then joins the model's batcher on its own
-(:meth:`~attnx.runtime.apis.registry.ServedModel.run_rows`), exactly as a KServe text request's texts do, so all
-the APIs share one queue, one set of limits and one set of metrics.
-
-Fewer dimensions (``dimensions``): the Matryoshka convention, the first ``k`` values renormalised to unit length.
-A model not trained for it loses quality when cut, so the operator allows it per model (:class:`Dimensions`,
-``attnx serve --dimensions``).
+Strings, token-id lists (the model's own vocabulary, used as given) or (query, document) pairs (the tokenizer's
+pair template, cut longest-first) are tokenised on the worker thread when large, each cut to the model's
+character cap first; the request's tokens are held to ``--max-request-tokens``; each input joins the model's
+batcher on its own (:meth:`~attnx.runtime.apis.registry.ServedModel.run_rows`), as a KServe text request's texts
+do. ``dimensions``: the Matryoshka convention, allowed per model by the operator (:class:`Dimensions`).
 """
 
 from __future__ import annotations

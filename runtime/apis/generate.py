@@ -1,17 +1,9 @@
 """Triton's generate extension on ``attnx serve``: ``POST /v2/models/{m}/generate`` and ``generate_stream``.
 
-What Triton (with TensorRT-LLM or vLLM behind it) answers, for a with-past export:
-
-- request (:class:`~attnx.runtime.apis.requests.GenerateRequest`): a JSON object with ``text_input`` and, at
-  the top level or under ``parameters`` (both appear in the wild), ``max_tokens``, ``temperature`` (0 or
-  absent: greedy), ``top_k``, ``top_p``, ``repetition_penalty``, ``stop`` / ``stop_words``, ``seed`` /
-  ``random_seed``, ``ignore_eos``, and a placed variant's context inputs under ``context`` (``{name: one row}``);
-- ``generate``: ``{"model_name", "model_version", "text_output", "finish_reason", "prompt_tokens",
-  "completion_tokens"}``;
-- ``generate_stream``: server-sent events, one ``data: {...}`` per piece of text (``text_output`` is the
-  new piece), the last with ``finish_reason``; a failure mid-stream is an event ``{"error": "..."}``.
-
-Errors are KServe's ``{"error": "..."}`` (the KServe table of :mod:`attnx.runtime.wire.errors`).
+As Triton (TensorRT-LLM, vLLM behind it) answers (:class:`~attnx.runtime.apis.requests.GenerateRequest`: fields at
+the top level or under ``parameters``; ``temperature`` 0 greedy by default): ``{"model_name", "model_version",
+"text_output", "finish_reason", "prompt_tokens", "completion_tokens"}``, or server-sent events, one per piece of
+text (the last with ``finish_reason``; a failure mid-stream is an event ``{"error": "..."}``).
 """
 
 from __future__ import annotations
@@ -36,7 +28,7 @@ async def _parse(s: Serving, call: Call, request: Request, name: str, version: s
     model = call.named(s.registry.get(name, version))
     if GENERATE not in model.capabilities:
         raise bad_input(model.unfit(GENERATE), "model")
-    body = await s.envelope.body(request, call, lambda raw: parse(GenerateRequest, raw))
+    body = await s.envelope.body(request, call, lambda raw: parse(GenerateRequest, raw, s.string_cap))
     text = body.text_input
     if isinstance(text, list):  # a batch of one, as tritonclient sends a [1] tensor
         if len(text) != 1:

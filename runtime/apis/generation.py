@@ -188,27 +188,15 @@ def check_choices(model: GenerationModel, count: int) -> None:
                          f"{model.max_queue}); retry later")
 
 
-class _Receiver:
-    """Pieces from the scheduler's thread into this event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def deliver(self, piece: Piece) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
-
-    def error(self, message: str) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, ProtocolError(Kind.INTERNAL, message))
-
-
 async def pieces(model: GenerationModel, prompt: list[int], params: SamplingParams,
                  context: Mapping[str, np.ndarray] | None = None) -> AsyncIterator[Piece]:
     """One generation's pieces as the scheduler makes them; leaving early (a client gone, an error)
     cancels it, which frees its batch row at the next step."""
-    receiver = _Receiver(asyncio.get_running_loop())
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()  # pieces from the scheduler's thread to this loop
+    deliver = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
     try:
-        handle = model.scheduler.submit(prompt, params, receiver.deliver, receiver.error, context)
+        handle = model.scheduler.submit(prompt, params, deliver,
+                                        lambda message: deliver(ProtocolError(Kind.INTERNAL, message)), context)
     except InputError as e:
         raise bad_input(str(e), "context" if context else "prompt") from None
     except SchedulerFull as e:
@@ -217,7 +205,7 @@ async def pieces(model: GenerationModel, prompt: list[int], params: SamplingPara
         raise ProtocolError(Kind.SHUTTING_DOWN, str(e)) from None
     try:
         while True:
-            item = await receiver.queue.get()
+            item = await queue.get()
             if isinstance(item, Exception):
                 raise item
             yield item

@@ -1,17 +1,9 @@
 """KServe v2 / the Open Inference Protocol over HTTP, as Triton speaks it (the unmodified ``tritonclient.http``).
 
-- ``GET  /v2/health/live``, ``/v2/health/ready``, ``/v2`` (server metadata)
-- ``GET  /v2/models/{m}[/versions/{v}]`` (model metadata), ``.../ready``, ``.../config``: every served model,
-  text generators included (their metadata is the generate extension's ``text_input`` / ``text_output``)
-- ``POST /v2/models/{m}[/versions/{v}]/infer``: JSON tensors and the binary tensor data extension
-- ``POST /v2/repository/index``; ``GET /metrics`` (Prometheus)
-
-Bodies are read and decoded by the envelope's rules (413 before reading, the byte budget, the worker thread
-for big ones: :mod:`attnx.runtime.wire.envelope`); a model whose queue is full refuses before reading.
-A text request (``BYTES`` ``text``, and ``text_pair`` for a classifier) is tokenised off the loop when big,
-and each text joins the batcher on its own (:meth:`~attnx.runtime.apis.registry.ServedModel.run_rows`), so
-texts of similar length from different clients share a batch; more texts than the queue ever holds is a 413.
-Big all-JSON answers stream out a piece at a time (:func:`~attnx.runtime.apis.kserve_json.stream_json_response`).
+Health, server and model metadata, ready and config for every served model (text generators too: the generate
+extension's ``text_input``/``text_output``), the repository index, ``/metrics``, and ``infer`` (JSON tensors and
+the binary tensor extension; ``BYTES`` text for a model with a tokenizer, each text its own row in the batcher,
+more texts than the queue holds a 413). Bodies go through the envelope; big all-JSON answers stream in pieces.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""KServe v2 over gRPC: the ``inference.GRPCInferenceService`` that ``tritonclient.grpc`` talks to.
-
-The protocol's messages and service stubs are the generated ones ``tritonclient`` ships
-(``tritonclient.grpc.service_pb2`` / ``service_pb2_grpc``, Triton's ``grpc_service.proto``), so
-nothing is hand-written on the wire. Implemented: ``ServerLive``, ``ServerReady``, ``ModelReady``,
-``ServerMetadata``, ``ModelMetadata``, ``ModelConfig``, ``RepositoryIndex`` and ``ModelInfer`` with
-``raw_input_contents`` or typed ``contents`` (``BYTES`` text too); outputs go back as
-``raw_output_contents``, as Triton sends them. The rest answer ``UNIMPLEMENTED``.
-
-Every infer request is checked by :func:`attnx.runtime.apis.kserve_tensors.build_infer_request` and run by
-:func:`attnx.runtime.apis.kserve.run`, exactly as over HTTP, inside the server's one envelope (admission,
-the shared byte budget, metrics; refusals by the KServe gRPC table of :mod:`attnx.runtime.wire.errors`).
+"""KServe v2 over gRPC: the ``inference.GRPCInferenceService`` that ``tritonclient.grpc`` talks to, with the generated
+messages ``tritonclient`` ships (Triton's ``grpc_service.proto``). Live, ready, metadata, config, index and
+``ModelInfer`` (``raw_input_contents`` or typed ``contents``, ``BYTES`` text too; outputs as
+``raw_output_contents``, as Triton sends them); the rest answer UNIMPLEMENTED. Requests are checked and run exactly
+as over HTTP (:func:`attnx.runtime.apis.kserve.run`), inside the server's one envelope.
 """
 
 from __future__ import annotations

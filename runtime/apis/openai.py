@@ -55,7 +55,7 @@ async def embeddings(request: Request):
     s = serving(request)
 
     async def work(call) -> Response:
-        body = await s.envelope.body(request, call, lambda raw: parse(EmbeddingRequest, raw))
+        body = await s.envelope.body(request, call, lambda raw: parse(EmbeddingRequest, raw, s.string_cap))
         model = call.named(s.registry.pick(body.model, EMBED))
         full = full_size(model)
         s.dimensions.size(model.name, full, body.dimensions)  # a bad size is refused before anything runs

@@ -1,13 +1,9 @@
 """The served models, one registry for every API: which model a request means, and what each model can do.
 
-Every model behind the server is in one :class:`ModelRegistry`, encoders (:class:`ServedModel`: a session
-and its :class:`~attnx.runtime.core.batcher.DynamicBatcher`) and text generators
-(:class:`~attnx.runtime.apis.generation.GenerationModel`: a decoder and its step-level scheduler) alike, so
-KServe's metadata, ready, config and repository index, gRPC's ModelReady, the health checks, ``/v1/models``
-and the queue gauges see them all. Each model states its capabilities (:data:`EMBED`, :data:`SCORE`,
-:data:`RERANK`, :data:`GENERATE`, :data:`TOKENIZE`, :data:`INFER`); :meth:`ModelRegistry.pick` finds the
-model a JSON request names, or the server's only one that can do what it asks, with one wording of the
-refusal for every API (404 an unknown name, 400 a model that cannot do it).
+Encoders (:class:`ServedModel`: a session and its batcher) and text generators
+(:class:`~attnx.runtime.apis.generation.GenerationModel`) alike, so every route, probe and gauge sees them all.
+Each states its capabilities; :meth:`ModelRegistry.pick` finds the model a JSON request names, or the only one
+that can do what it asks, with one wording of the refusal (404 an unknown name, 400 a model that cannot).
 """
 
 from __future__ import annotations
@@ -196,10 +192,9 @@ class ServedModel:
         lines.append(f"  -> at most {cfg.max_batch_size} rows and "
                      f"{cfg.max_batch_tokens if cfg.max_batch_tokens else 'any number of'} tokens a batch")
         if layout.can_batch:
-            unpadded = [o.name for o in s.outputs if o.seq_axis is not None]
-            split = [o.name for o in s.outputs if o.seq_axis is None and o.batch_axis is not None]
-            lines.append(f"  -> outputs cut back to each request's length: {unpadded or '-'}; split by row: "
-                         f"{split or '-'}")
+            lines.append(f"  -> outputs cut back to each request's length: "
+                         f"{[o.name for o in s.outputs if o.seq_axis is not None] or '-'}; split by row: "
+                         f"{[o.name for o in s.outputs if o.seq_axis is None and o.batch_axis is not None] or '-'}")
         return lines
 
 

@@ -1,14 +1,10 @@
 """Every JSON request the server takes, declared once (pydantic): strict types, the documented defaults.
 
 OpenAI's, TEI's, Cohere/Jina's rerank, Infinity's classify, Triton's generate, and KServe v2's infer body
-(:class:`InferBody`, for the OpenAPI document: its tensors are decoded by :mod:`attnx.runtime.apis.kserve_json`,
-which turns long number lists straight into arrays). Types are strict (``"1"`` is not a number, ``1.0`` not an
-integer, ``NaN`` and ``1e999`` not a float); a field left out takes the default its API documents; fields attnx
-does not know are ignored, as OpenAI's clients send many.
-
-:func:`parse` validates a body (bytes: pydantic reads the JSON itself, inside the envelope's budgeted body
-read) and turns the first problem into one :class:`~attnx.runtime.wire.errors.ProtocolError` line naming its
-field (``param``): ``'top_p' must be <= 1, got 1.5``, ``documents[1] must be a string``.
+(:class:`InferBody`, for the OpenAPI document; its tensors are decoded by :mod:`attnx.runtime.apis.kserve_json`).
+``"1"`` is not a number, ``1.0`` not an integer, ``NaN`` and ``1e999`` not a float; a field left out takes the
+default its API documents; unknown fields are ignored. :func:`parse` validates a body inside the envelope's budgeted
+read and turns the first problem into one ProtocolError line naming its field (``param``).
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
 from attnx.runtime.wire.errors import Kind, ProtocolError
+from attnx.runtime.wire.limits import cut_long_strings
 
 MAX_INT = 2**63 - 1
 
@@ -149,18 +146,12 @@ class Sampling(Body):
     context: Context = None
     musts: ClassVar = {"stop": "must be a string or a list of strings"}
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "best_of")
     @classmethod
-    def _penalty(cls, value, info):
-        if value not in (None, 0.0):
-            fail(f"'{info.field_name}' is not supported (use 'repetition_penalty')")
-        return value
-
-    @field_validator("logprobs", "top_logprobs", "best_of")
-    @classmethod
-    def _unsupported(cls, value, info):
-        if value not in (None, False, 0) and not (info.field_name == "best_of" and value == 1):
-            fail(f"'{info.field_name}' is not supported")
+    def _unsupported(cls, value, info):  # refused, not ignored (issue 34 will add them)
+        name = info.field_name
+        if value not in (None, False, 0) and not (name == "best_of" and value == 1):
+            fail(f"'{name}' is not supported" + (" (use 'repetition_penalty')" if name.endswith("penalty") else ""))
         return value
 
 
@@ -397,11 +388,13 @@ _PHRASES = {"missing": "is required", "bool_type": "must be a boolean", "int_typ
 _BOUNDS = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}
 
 
-def parse(model: type[Body], body: bytes | str | dict) -> Body:
+def parse(model: type[Body], body: bytes | str | dict, cap: int | None = None) -> Body:
     """``body`` (JSON text, or what it decoded to) as ``model``, or the first problem as a one-line ProtocolError
-    naming its field."""
+    naming its field. ``cap``: strings past it are read as their two ends (:func:`~attnx.runtime.wire.limits.cut_long_strings`)."""
     try:
-        if isinstance(body, (bytes, bytearray, str)):
+        if isinstance(body, (bytes, bytearray)):
+            return model.model_validate_json(cut_long_strings(body, cap))
+        if isinstance(body, str):
             return model.model_validate_json(body)
         return model.model_validate(body)
     except ValidationError as e:

@@ -1,13 +1,10 @@
 """Scores from sequence classifiers (cross-encoders, sentiment classifiers): every API that reranks or classifies.
 
-- ``POST /v1/rerank``, ``/v2/rerank`` (Cohere's, Jina's; Infinity's ``/rerank`` with ``documents``): documents by
-  relevance, best first, in OpenAI's error shape.
-- ``POST /classify`` (Infinity's): each input's labels; a body with TEI's ``inputs`` is answered as ``/predict``.
-- TEI's ``/predict`` (:func:`predict`; with ``parameters``, the Hugging Face Inference API's text classification) and
-  ``/rerank`` (:func:`tei_rerank`), routed by :mod:`attnx.runtime.apis.tei`.
-
-Labels and activations: :mod:`attnx.runtime.core.labels` (one label: a reranker). attnx extensions everywhere:
-``truncate`` (default true: a pair loses tokens from its longer text first, as CrossEncoder cuts it) and ``context``.
+``/v1/rerank`` and ``/v2/rerank`` (Cohere's, Jina's; also Infinity's ``/rerank`` with ``documents``), ``/classify``
+(Infinity's; a body with TEI's ``inputs`` is answered as ``/predict``), and TEI's ``/predict`` (:func:`predict`,
+the Inference API's text classification with ``parameters``) and ``/rerank`` (:func:`tei_rerank`). Labels and
+activations: :mod:`attnx.runtime.core.labels`. attnx extensions: ``truncate`` (default true: a pair loses tokens
+from its longer text first, as CrossEncoder cuts it) and ``context``.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from attnx.runtime.core.labels import sigmoid, softmax
 from attnx.runtime.wire.envelope import Call, error_response
 from attnx.runtime.wire.errors import OPENAI_SHAPE, TEI, ProtocolError, bad_input
 from attnx.runtime.wire.http import Serving, serving
+from attnx.runtime.wire.limits import cut_long_strings
 
 router = APIRouter(tags=["Rerank and classify"])
 #: The Hugging Face Inference API's ``function_to_apply`` values.
@@ -57,7 +55,7 @@ async def run_body(request: Request, choose) -> Response:
     s, shape = serving(request), [TEI]
 
     async def work(call: Call) -> Response:
-        body = await s.envelope.body(request, call, _json)
+        body = await s.envelope.body(request, call, lambda raw: _json(cut_long_strings(raw, s.string_cap)))
         model, handler, shape[0] = choose(s, body)
         return await handler(s, call, parse(model, body))
 

@@ -35,7 +35,6 @@ from attnx.runtime.wire.http import Serving
 
 #: The API's interface definition (messages and services), compiled by protoc at first use.
 PROTO = Path(__file__).with_name("tei.proto")
-PACKAGE = "tei.v1"
 
 
 @functools.cache
@@ -57,7 +56,7 @@ def api() -> tuple[dict[str, type], dict]:
 
 
 def messages() -> dict[str, type]:
-    return api()[0]
+    return api()[0]  # by name: messages()["EmbedResponse"]
 
 
 def _direction(model, request) -> None:

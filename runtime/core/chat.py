@@ -1,18 +1,14 @@
 """Chat templates rendered exactly as transformers renders them, in a worker process with a time and size budget.
 
-The environment is transformers' ``apply_chat_template`` one (its ``utils/chat_template_utils.py``), written
-here: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols`` and the
-``{% generation %}`` tag, a ``tojson`` that does not escape HTML and takes ``indent``/``separators``/``sort_keys``,
-the globals ``raise_exception``, ``strftime_now``, ``dict`` and a ``namespace`` refusing underscore names. A
-template sees ``messages`` (keys whose value is None dropped), ``tools``, ``documents``,
-``add_generation_prompt`` and the tokenizer's named special tokens, so the prompt is byte-equal to
-``apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=False)``.
-
-A template is code from a model folder driven by a request's messages, so it never runs in the server: it is
-compiled once at load (one that does not compile is refused then) and rendered by :class:`Renderer` in a
-worker process (``python -I`` on this file: stdlib and jinja2 only, its address space capped) that is killed
-past the time budget and stops a render as soon as its output passes the size budget. ``raise_exception``,
-a ``range`` past 100,000, recursion or a budget is a one-line :class:`ChatError`.
+The environment is transformers' ``apply_chat_template`` one (its ``utils/chat_template_utils.py``), written here:
+an ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols`` and the
+``{% generation %}`` tag, a ``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``, ``dict``
+and a ``namespace`` refusing underscore names; the template sees ``messages`` (None values dropped), ``tools``,
+``documents``, ``add_generation_prompt`` and the tokenizer's named special tokens. A template is code from a model
+folder driven by a request, so it never runs in the server: compiled once at load (a syntax error is refused then),
+rendered by :class:`Renderer` in a worker process (``python -I`` on this file: stdlib and jinja2, its address
+space capped), killed past the time budget, stopped as soon as its output passes the size budget. Whatever it
+cannot do for a request is a one-line :class:`ChatError`.
 """
 
 from __future__ import annotations
@@ -270,7 +266,10 @@ def _main() -> None:
     import resource
 
     memory = int(sys.argv[1])
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    except (ValueError, OSError):  # a hard limit below it: that one holds
+        pass
     env, compiled = environment(), {}
     for line in sys.stdin.buffer:
         try:

@@ -1,11 +1,8 @@
 """How requests merge into one batch and split back: the batch and seq axes of every input and output.
 
-:class:`BatchLayout` is read off a session's specs (:mod:`attnx.runtime.core.axes` names the axes): which
-requests may share a run (their "batch key": every non-batch, non-seq dim equal, a head mask's bytes equal),
-whether shorter ones may be padded (only when padded positions can be masked out, and every output's dynamic
-dims are known), and how a merged batch's outputs go back to each request, cut to its own length. The
-:class:`~attnx.runtime.core.batcher.DynamicBatcher` and the embedded
-:class:`~attnx.runtime.core.encode.TextModel` both batch through it.
+:class:`BatchLayout` is read off a session's specs: which requests may share a run (their "batch key"), whether
+shorter ones may be padded (only when padded positions can be masked out and every output's dynamic dims are
+known), and how a merged batch's outputs go back to each request, cut to its own length.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""One error taxonomy for every API, and one status table per wire shape.
+"""One error taxonomy for every API, and one status table per wire shape: the only place a kind becomes a status.
 
-Everything the serving stack refuses is a :class:`ProtocolError` with a :class:`Kind` (what went wrong, in
-the server's words) and a one-line message; ``param`` names the request field at fault when there is one.
-What a client sees is decided here and only here, by the table of the wire shape it speaks:
-
-The tables below are the only place a kind becomes a status (docs/serving.md shows them side by side).
-Overload answers carry ``Retry-After: 1`` (the cue to back off); what can never fit (``too_large``) carries
-none. ``too_many`` is a count of inputs over ``--max-inputs``: OpenAI answers 400 for it, TEI 413.
-``unprocessable``: a valid request whose result JSON cannot carry (NaN or infinities in an output).
-The kind is also the ``reason`` label of ``attnx_request_failures_total``.
+Everything the serving stack refuses is a :class:`ProtocolError`: a :class:`Kind`, a one-line message and, when
+there is one, the request field at fault (``param``). Overload carries ``Retry-After: 1``; what can never fit
+(``too_large``) does not. ``too_many``: more inputs than ``--max-inputs`` (OpenAI 400, TEI 413);
+``unprocessable``: a result JSON cannot carry (NaN in an output). The kind is the ``reason`` label of
+``attnx_request_failures_total``. docs/serving.md shows the tables side by side.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ class Serving:
     dimensions: Any = None  # attnx.runtime.apis.encoding.Dimensions: which models may be cut shorter
     extensions: list[str] = field(default_factory=list)
     chat: Any = None  # attnx.runtime.core.chat.Renderer: chat templates, in worker processes
+    #: JSON strings past this many characters are read as their two ends (the largest character cap of a model)
+    string_cap: int | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     version: str = getattr(attnx, "__version__", "0")
 
