@@ -2,7 +2,7 @@
 
 Targets:
 
-- :class:`InProcessTarget`: a :class:`~attnx.runtime.batcher.DynamicBatcher` in this
+- :class:`InProcessTarget`: a :class:`~attnx.runtime.core.batcher.DynamicBatcher` in this
   process (measures the runtime itself, no HTTP).
 - :class:`HttpTarget`: a running server (``attnx serve`` or Triton) through the
   unmodified ``tritonclient.http`` client, binary tensors.
@@ -28,8 +28,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
-from attnx.runtime.protocol import TEXT_INPUT
-from attnx.runtime.session import TensorSpec
+from attnx.runtime.core.text import TEXT_INPUT
+from attnx.runtime.core.session import TensorSpec
 
 
 def synthetic_feeds(
@@ -292,7 +292,7 @@ class TextInProcessTarget:
         self.outputs = list(outputs) if outputs else None
 
     def factory(self) -> Call:
-        from attnx.runtime.text import text_feeds
+        from attnx.runtime.core.text import text_feeds
 
         inputs = self.batcher.session.inputs
 

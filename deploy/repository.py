@@ -140,9 +140,9 @@ def _source_onnx(engine: Path, onnx_path: Path | None, sidecar: dict) -> Path | 
 
 def read_source(model_path: Path, onnx_path: Path | None = None) -> _Source:
     """Check the model file (and an engine's sidecar and source ONNX); one clear error for any problem."""
-    from attnx.runtime.axes import resolve_axes
-    from attnx.runtime.backends.onnxrt import onnx_io_specs
-    from attnx.runtime.backends.tensorrt import engine_io_specs
+    from attnx.runtime.core.axes import resolve_axes
+    from attnx.runtime.core.backends.onnxrt import onnx_io_specs
+    from attnx.runtime.core.backends.tensorrt import engine_io_specs
 
     suffix = model_path.suffix.lower()
     if suffix not in PLATFORMS:

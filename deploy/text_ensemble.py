@@ -28,8 +28,8 @@ from typing import Any, Mapping
 
 from attnx.contract import BATCH, SEQ, Role
 from attnx.deploy.triton import ConfigError, Enum, check_model_name
-from attnx.runtime import TensorSpec
-from attnx.runtime.protocol import TEXT_INPUT, TEXT_PAIR_INPUT  # the names `attnx serve` gives its text inputs too
+from attnx.runtime.core.session import TensorSpec
+from attnx.runtime.core.text import TEXT_INPUT, TEXT_PAIR_INPUT  # the names `attnx serve` gives its text inputs too
 
 #: The inputs the tokenizer makes, by role (the names are the model's own).
 ID_ROLES = (Role.INPUT_IDS, Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS)

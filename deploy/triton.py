@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from attnx.contract import BATCH, Role
-from attnx.runtime.session import Session, TensorSpec
+from attnx.runtime.core.session import Session, TensorSpec
 
 #: numpy dtype -> Triton ``DataType`` enum name.
 TRITON_TYPES = {

@@ -34,7 +34,7 @@ weights clip (255 * 127 * 2 > 32767: cosine 0.987 on "Ok."); weights in [-63, 63
 ``reduce_range``). So the default is 7-bit weights, exact on every CPU. ``weight_bits=8`` (CLI
 ``--int8-weight-bits 8``) is for CPUs whose integer dot product accumulates in int32 (VNNI, AMX,
 ARM): same speed, about half the weight rounding error (MiniLM worst sentence 0.991 -> 0.995);
-:mod:`attnx.runtime.cpu` says which CPU is which, and the runtime warns when such a file is loaded
+:mod:`attnx.runtime.core.cpu` says which CPU is which, and the runtime warns when such a file is loaded
 on one that clips. Measured (8x128, docs/performance.md): AVX2 without VNNI 1.4-1.55x fp32 (U8U8
 8-bit, which cannot saturate there, 1.20x: a slower kernel); AMX / AVX-512 VNNI 1.9x.
 """
@@ -304,7 +304,7 @@ def calibration_feeds(path, info) -> list[dict]:
     padding); a model without a tokenizer: eight synthetic batches. Context inputs are random but valid."""
     from attnx.contract import Role
     from attnx.deploy.loadtest import synthetic_feeds
-    from attnx.runtime.session import TensorSpec
+    from attnx.runtime.core.session import TensorSpec
 
     specs = [TensorSpec(e.name, np.dtype(e.dtype), tuple(e.shape), e.role, e.range) for e in info.inputs]
     rng = np.random.default_rng(0)

@@ -252,7 +252,7 @@ class Source:
 
 
 class SessionSource(Source):
-    """A runtime :class:`~attnx.runtime.session.Session` (ONNX Runtime, or an engine where one runs)."""
+    """A runtime :class:`~attnx.runtime.core.session.Session` (ONNX Runtime, or an engine where one runs)."""
 
     def __init__(self, session, info: ModelInfo, folder: Path, name: str):
         self.session = session
@@ -272,7 +272,7 @@ class SessionSource(Source):
 
 
 def _onnx_source(path: Path) -> SessionSource:
-    from attnx.runtime.session import load
+    from attnx.runtime.core.session import load
 
     info = ModelInfo.read(path)
     if info is None:

@@ -2,7 +2,7 @@
 
 The export's PyTorch reference (:class:`attnx.pretrained.cached.CachedHost`, rebuilt from ``attnx.config``
 with the weights beside the file, on the literal formulas) and ONNX Runtime on the file (and the engine,
-where it can run) are driven by the same :class:`attnx.runtime.decoding.Decoder`: real texts (the
+where it can run) are driven by the same :class:`attnx.runtime.core.decoding.Decoder`: real texts (the
 built-in sentences, or ``--text``) prefilled one by one, merged into one left-padded batch, then
 ``steps`` decoding steps, every runtime fed the reference's greedy tokens (teacher forcing, so a near-tie
 cannot send them down different paths). Compared per step: the logits of every row and, at the end,
@@ -26,7 +26,7 @@ import numpy as np
 
 from attnx.contract import ModelInfo
 from attnx.parity.cases import ParityError
-from attnx.runtime.session import Session, merge_specs
+from attnx.runtime.core.session import Session, merge_specs
 
 #: ``(atol, rtol)`` of logits and cached tensors, per precision: |a - b| <= atol + rtol |reference|.
 BOUNDS = {"fp32": (1e-3, 1e-3), "fp16": (6e-2, 3e-2), "int8": (3e-1, 1e-1)}
@@ -153,9 +153,9 @@ def run_generation_check(model_path: Path, model, info: ModelInfo, *, engine=Non
     from attnx.parity.check import open_engine
     from attnx.parity.original import plan_original
     from attnx.parity.text_cases import default_texts
-    from attnx.runtime.decoding import Decoder
-    from attnx.runtime.session import load
-    from attnx.runtime.text import TextTokenizer
+    from attnx.runtime.core.decoding import Decoder
+    from attnx.runtime.core.session import load
+    from attnx.runtime.core.text import TextTokenizer
 
     started = time.monotonic()
     step = progress or (lambda name: None)

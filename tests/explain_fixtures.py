@@ -68,7 +68,7 @@ def ablate_columns(linear: torch.nn.Linear, head: int, head_dim: int) -> None:
 def ort_session(path):
     """The session a served model runs (attnx.runtime's settings), so served and direct results agree
     to the bit rather than to ORT's per-fusion rounding."""
-    from attnx.runtime.backends.onnxrt import OrtOptions
+    from attnx.runtime.core.backends.onnxrt import OrtOptions
 
     return OrtOptions(device="cpu").inference_session(path)
 

@@ -17,10 +17,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from attnx.runtime import auth, load
+from attnx.runtime import load
+from attnx.runtime.wire import auth
 from conftest_runtime import cosine_rows, running_server
 from support import exports
-from support.cli import subprocess_popen
+from support.cli import one_line_error, subprocess_popen
+from support.cli import run as attnx
 
 KEY = "sk-attnx-test-0123456789"
 GOOD = {"Authorization": f"Bearer {KEY}"}
@@ -158,14 +160,29 @@ def test_the_cli_takes_the_key_from_attnx_api_key(tmp_path_factory, tmp_path):
         proc.stderr.close()
 
 
-def test_the_cli_refuses_a_bad_dimensions_flag_in_one_line(tmp_path_factory):
-    from typer.testing import CliRunner
-
-    from attnx.cli.main import app
-
+def test_the_cli_refuses_a_bad_dimensions_flag_in_one_line():
     model = exports.minilm().path
     for flag, message in ((["--dimensions", "other=64"], "no model named 'other'"),
                           (["--dimensions", "64,abc"], "takes 'any' or comma-separated sizes"),
                           (["--max-inputs", "0"], "--max-inputs must be >= 1")):
-        result = CliRunner().invoke(app, ["serve", f"minilm={model}", "--port", "0", *flag])
-        assert result.exit_code != 0 and message in result.output, result.output
+        one_line_error(attnx("serve", f"minilm={model}", "--port", "0", *flag), message)
+
+
+def test_an_unknown_models_open_ready_route_names_no_served_model(server):
+    """Issue 32: /v2/models/{m}/ready answers without the key, so its 404 must not list what the server serves."""
+    r = httpx.get(server.url + "/v2/models/secret-guess/ready", timeout=10)
+    assert r.status_code == 404 and "minilm" not in r.text and r.json() == {"error": "unknown model 'secret-guess'"}
+    assert httpx.get(server.url + "/v2/models/secret-guess", headers=GOOD, timeout=10).status_code == 404
+
+
+def test_an_empty_api_key_is_refused_in_one_line():
+    """Issue 32: ``--api-key ''`` or ``ATTNX_API_KEY=`` (set, empty) would serve every route open: refused, in the
+    library and by the CLI (one line, before any model loads)."""
+    from attnx.runtime.server import InferenceServer
+
+    model = exports.minilm().path
+    with pytest.raises(ValueError, match="the API key is empty"):
+        InferenceServer({"minilm": model}, port=0, api_key="")
+    for args, env in ((["--api-key", ""], {}), ([], {auth.ENV_VAR: ""}), (["--api-key", "  "], {})):
+        one_line_error(attnx("serve", f"minilm={model}", "--port", "0", *args, env=env), "the API key is empty",
+                       alone=True)

@@ -10,7 +10,7 @@ import pytest
 
 from attnx.contract import BATCH, SEQ, Role
 from attnx.deploy import loadtest as b
-from attnx.runtime.session import TensorSpec
+from attnx.runtime.core.session import TensorSpec
 from support.cli import run as attnx
 
 

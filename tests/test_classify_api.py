@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from attnx.runtime.protocol import Limits
-from attnx.runtime.scoring import _labels
+from attnx.runtime.wire.limits import Limits
+from attnx.runtime.core.labels import read_labels as _labels
 from conftest_runtime import running_server
 from scoring_fixtures import cross_encoder, export, neutral_context, reference, sigmoid, softmax
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnx.runtime import TextModel, load
-from attnx.runtime.text import TextTokenizer
+from attnx.runtime.core.text import TextTokenizer
 from conftest_runtime import cosine_rows, long_text
 from support import exports
 
@@ -150,7 +150,7 @@ def test_gpt2_logits_for_text_equal_transformers(gpt2):
 def test_one_call_runs_texts_of_like_length_together():
     """Longest first, cut where a run reaches batch_size or its longest exceeds 1.5x the next text (the server's
     ratio): little padding, the same numbers as one padded batch (issue 25)."""
-    from attnx.runtime.encode import length_chunks
+    from attnx.runtime.core.encode import length_chunks
 
     lengths = [78, 4, 70, 12, 11, 5, 9, 37]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -161,7 +161,7 @@ def test_one_call_runs_texts_of_like_length_together():
 
 def test_length_runs_give_the_padded_batchs_numbers(model, monkeypatch):
     from attnx.pretrained.sentences import CALIBRATION, SENTENCES
-    from attnx.runtime import encode as encode_module
+    from attnx.runtime.core import encode as encode_module
 
     texts = [*SENTENCES, *CALIBRATION]
     runs = model.encode(texts, batch_size=32)

@@ -87,7 +87,7 @@ def test_attentions_only_when_named_and_head_mask_optional(server, export, batch
 
 def test_batching_with_head_masks_and_attention_maps(export, batch):
     session = load(export.path, device="cpu")
-    from attnx.runtime.batcher import DynamicBatcher
+    from attnx.runtime.core.batcher import DynamicBatcher
 
     rng = np.random.default_rng(0)
     texts = ["Hi!", "The cat sat on the mat.", "A man is playing a guitar.", "Ok.", "Where is the station?"]

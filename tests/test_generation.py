@@ -3,7 +3,7 @@ generation loop and sampling, each against transformers itself.
 
 - the criterion, for every variant (moved off its neutral values, so the variant's own math is what the
   cache carries): greedy generation with the cache (a left-padded batch of two prompts, driven by the
-  runtime's own :class:`~attnx.runtime.decoding.Decoder`) equals greedy generation by re-running the full
+  runtime's own :class:`~attnx.runtime.core.decoding.Decoder`) equals greedy generation by re-running the full
   sequence each step, token for token; maw in an earlier layer, whose cached form is documented as not
   exact, equals it while its depth stays the same;
 - the with-past ONNX export on ONNX Runtime equals transformers' own ``generate`` (mha and a neutral
@@ -31,8 +31,8 @@ transformers.logging.set_verbosity_error()
 from attnx import pretrained  # noqa: E402
 from attnx.parity.generation import TorchSession  # noqa: E402
 from attnx.pretrained.cached import CachedHost  # noqa: E402
-from attnx.runtime.decoding import Decoder, NotAGenerator  # noqa: E402
-from attnx.runtime.sampling import SamplingError, SamplingParams, sampling_params  # noqa: E402
+from attnx.runtime.core.decoding import Decoder, NotAGenerator  # noqa: E402
+from attnx.runtime.core.sampling import SamplingError, SamplingParams, sampling_params  # noqa: E402
 
 STEPS = 6
 
@@ -196,7 +196,7 @@ def test_sampling_distribution_is_transformers():
     from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-    from attnx.runtime.sampling import distribution
+    from attnx.runtime.core.sampling import distribution
 
     g = np.random.default_rng(0)
     logits = (g.standard_normal(50) * 3).astype(np.float32)
@@ -207,7 +207,7 @@ def test_sampling_distribution_is_transformers():
                                     + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(p)] if p < 1 else []))
         want = torch.softmax(procs(torch.tensor([seen]), torch.tensor(logits)[None].clone()), -1)[0].numpy()
         np.testing.assert_allclose(distribution(logits, params, seen), want, atol=1e-6)
-    from attnx.runtime.sampling import next_token
+    from attnx.runtime.core.sampling import next_token
 
     params = SamplingParams(temperature=0.7, top_k=10, do_sample=True, seed=5)
 
@@ -236,8 +236,8 @@ def test_greedy_unless_sampling_is_asked_for():
 def test_streamed_text_equals_decoding_at_once():
     """Byte-level BPE splits characters over tokens: the pieces, joined, equal the whole decode; stop strings
     are cut out exactly, even when streamed."""
-    from attnx.runtime.detokenize import TextStream
-    from attnx.runtime.text import TextTokenizer
+    from attnx.runtime.core.detokenize import TextStream
+    from attnx.runtime.core.text import TextTokenizer
 
     tok = TextTokenizer.from_folder(gf.folder("gpt2"))
     text = "naïve café — 東京 🙂 the cat sat on the mat"
@@ -256,8 +256,8 @@ def test_streamed_text_equals_decoding_at_once():
 
 def test_scheduler_batches_steps_with_the_tokens_each_gets_alone():
     from attnx.runtime import TextModel
-    from attnx.runtime.generate import stream
-    from attnx.runtime.scheduler import GenerationScheduler
+    from attnx.runtime.core.generate import stream
+    from attnx.runtime.core.scheduler import GenerationScheduler
 
     model = TextModel(gf.export(gf.folder("llama"), "mha"))
     decoder, tok = model.decoder, model.tokenizer
@@ -290,7 +290,7 @@ def test_a_cancelled_request_leaves_at_the_next_step():
     import time
 
     from attnx.runtime import TextModel
-    from attnx.runtime.scheduler import GenerationScheduler
+    from attnx.runtime.core.scheduler import GenerationScheduler
 
     model = TextModel(gf.export(gf.folder("llama"), "mha"))
     scheduler = GenerationScheduler(model.decoder, model.tokenizer, max_batch=8, name="llama")
@@ -320,7 +320,7 @@ def test_an_engine_generates_from_its_onnx_metadata():
     """An engine's sidecar has no attnx.* keys: the decoder and the tokenizer come from the ONNX it names
     (a session standing in for the engine, which needs a GPU: the ONNX file's own runs behind it)."""
     from attnx.runtime import TextModel, load
-    from attnx.runtime.session import Session
+    from attnx.runtime.core.session import Session
 
     path = gf.export(gf.folder("llama"), "mha")
     inner = load(path, device="cpu")

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from attnx.runtime.http_guard import HttpLimits
+from attnx.runtime.wire.http_guard import HttpLimits
 from conftest_runtime import EXPORT_KW, running_server
 from support.cli import subprocess_popen
 

@@ -273,7 +273,7 @@ def test_8bit_weights_use_the_full_range_and_say_so(int8_8bit):
         quantize_file(int8_8bit, int8_8bit.with_name("x.onnx"), weight_bits=6)
 
 
-@pytest.mark.skipif(__import__("attnx.runtime.cpu", fromlist=["x"]).saturates_8bit_weights(),
+@pytest.mark.skipif(__import__("attnx.runtime.core.cpu", fromlist=["x"]).saturates_8bit_weights(),
                     reason="this CPU's integer GEMM (AVX2 without VNNI) saturates 8-bit weights: that is why 7 is "
                     "the default")
 def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of, int8_8bit, st):
@@ -287,8 +287,8 @@ def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of,
 
 
 def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, int8_8bit, monkeypatch):
-    from attnx.runtime import cpu
-    from attnx.runtime.backends.onnxrt import OnnxRuntimeSession
+    from attnx.runtime.core import cpu
+    from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession
 
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
     with pytest.warns(RuntimeWarning, match="8-bit int8 weights.*re-export with --int8-weight-bits 7"):
@@ -303,7 +303,7 @@ def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, in
 
 
 def test_cpu_integer_dot_product_names_and_which_cpus_saturate():
-    from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+    from attnx.runtime.core.cpu import int8_dot_product, saturates_8bit_weights
 
     cases = [  # (flags, x86) -> (name starts with, saturates)
         ({"avx2", "avx512bw", "avx512_vnni", "amx_int8"}, True, "AMX", False),
@@ -331,20 +331,17 @@ def test_cli_refuses_bad_int8_weight_bits_in_one_line(tmp_path, args, message):
 
 
 def test_cli_notes_when_8bit_weights_are_exported_on_a_cpu_that_would_clip_them(tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
-    from attnx.cli.main import app
-    from attnx.runtime import cpu
+    from attnx.runtime.core import cpu
 
     args = ["export", "--variant", "mha", "--layers", "1", "--int8", "--int8-weight-bits", "8"]
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
-    clipping = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "a.onnx")], env={"COLUMNS": "200"})
-    assert clipping.exit_code == 0, clipping.output
+    clipping = attnx(*args, "-o", tmp_path / "a.onnx")
+    assert clipping.returncode == 0, clipping.output
     assert "serve this file on a CPU with VNNI, AMX or ARM dot products" in clipping.output
     assert ModelInfo.read(tmp_path / "a.onnx").quantization["weight_bits"] == 8  # written all the same
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: False)
-    fine = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "b.onnx")], env={"COLUMNS": "200"})
-    assert fine.exit_code == 0 and "serve this file" not in fine.output
+    fine = attnx(*args, "-o", tmp_path / "b.onnx")
+    assert fine.returncode == 0 and "serve this file" not in fine.output
 
 
 def test_cli_int8_weight_bits_reach_the_file(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 from attnx import plugins
 from support import probes
+from support.cli import run as attnx
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,13 +52,9 @@ def test_library_needs_only_the_c_and_cuda_runtime(plugin_lib):
 
 
 def test_library_path_and_cli(plugin_lib, monkeypatch, tmp_path):
-    from typer.testing import CliRunner
-
-    from attnx.cli.main import app
-
     assert plugins.library_path() == plugin_lib.resolve()
-    result = CliRunner().invoke(app, ["plugins", "path"])
-    assert result.exit_code == 0, result.output
+    result = attnx("plugins", "path")
+    assert result.returncode == 0, result.output
     assert result.output.strip() == str(plugin_lib.resolve())
     # $ATTNX_PLUGIN_LIB wins when it exists, and is ignored when it does not.
     monkeypatch.setenv("ATTNX_PLUGIN_LIB", str(plugin_lib))
@@ -67,13 +64,9 @@ def test_library_path_and_cli(plugin_lib, monkeypatch, tmp_path):
 
 
 def test_cli_path_when_not_built(monkeypatch, tmp_path):
-    from typer.testing import CliRunner
-
-    from attnx.cli.main import app
-
     monkeypatch.setattr(plugins, "library_path", lambda: None)
-    result = CliRunner().invoke(app, ["plugins", "path"])
-    assert result.exit_code == 1
+    result = attnx("plugins", "path")
+    assert result.returncode == 1
     assert "attnx plugins build" in result.output
 
 

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from attnx.runtime.protocol import Limits
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import long_text, running_server
 from scoring_fixtures import cross_encoder, export, neutral_context, reference, sigmoid
 
@@ -200,7 +200,7 @@ def test_rerank_counts_in_the_servers_metrics(http):
     http.post("/v1/rerank", json={"model": "ce", "query": "", "documents": DOCS})
     text = http.get("/metrics").text
     assert re.search(r'attnx_request_success_total\{model="ce"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="ce",reason="bad_request"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="ce",reason="bad_input"\} [1-9]', text)
 
 
 def test_the_api_key_guards_rerank_and_classify(models):
@@ -270,10 +270,11 @@ def test_kserve_text_pairs_over_http_and_grpc_equal_transformers(models, hf):
 
 
 def test_a_model_that_scores_no_pairs_refuses_text_pair():
-    from attnx.runtime import protocol as proto
+    from attnx.runtime.apis import kserve_tensors as proto
+    from attnx.runtime.wire.errors import ProtocolError
 
     sig = proto.ModelSignature("emb", [], [], 8, None, proto.TextInput("text", 32, "right", pairs=False))
     tensors = [proto.WireTensor("text", "BYTES", [1], {}, data=["a"]),
                proto.WireTensor("text_pair", "BYTES", [1], {}, data=["b"])]
-    with pytest.raises(proto.BadRequest, match="does not score text pairs"):
-        proto.build_infer_request(None, {}, tensors, None, sig, proto.Limits())
+    with pytest.raises(ProtocolError, match="does not score text pairs"):
+        proto.build_infer_request(None, {}, tensors, None, sig, Limits())

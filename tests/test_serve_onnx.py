@@ -15,9 +15,9 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.axes import AxisError, AxisFlags
-from attnx.runtime.batcher import BatchLayout
-from attnx.runtime.metrics import histogram_counts
+from attnx.runtime.core.axes import AxisError, AxisFlags
+from attnx.runtime.core.layout import BatchLayout
+from attnx.runtime.wire.metrics import histogram_counts
 from conftest_runtime import assert_outputs_equal, running_server, triton_infer
 
 import transformers

@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.metrics import histogram_counts
+from attnx.runtime.wire.metrics import histogram_counts
 from conftest_runtime import EXPORT_KW, GatedSession, assert_outputs_equal, request, running_server, triton_infer
 from support.cli import run as attnx
 from support.cli import subprocess_popen
@@ -153,8 +153,8 @@ def test_metrics_histograms_and_counters(server, client, sessions):
                  "attnx_batch_size"):
         assert histogram_counts(text, name, "smal")["+Inf"] >= 1, name
     assert re.search(r'attnx_request_success_total\{model="smal"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="_unknown_",reason="unknown_model"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="smal",reason="bad_request"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="_unknown_",reason="not_found"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="smal",reason="bad_input"\} [1-9]', text)
     assert 'attnx_queue_depth{model="maw"}' in text
 
 
@@ -224,7 +224,7 @@ def test_over_limit_queue_gives_503_and_everything_else_succeeds(sessions):
             assert "queue full" in payload["error"]
         else:
             np.testing.assert_allclose(payload["output"], session.run(feeds[i])["output"], atol=1e-5, rtol=0)
-    assert re.search(r'attnx_request_failures_total\{model="maw",reason="overload"\} 11', text)
+    assert re.search(r'attnx_request_failures_total\{model="maw",reason="overloaded"\} 11', text)
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(sessions):
@@ -394,7 +394,7 @@ def test_serve_refuses_limits_that_would_fail_every_request(paths, flags, messag
 
 
 def test_limits_that_refuse_every_request_are_a_value_error():
-    from attnx.runtime.protocol import Limits
+    from attnx.runtime.wire.limits import Limits
 
     for field in ("max_body_bytes", "max_seq", "max_tensor_elements", "max_texts", "max_decode_bytes"):
         with pytest.raises(ValueError, match=f"{field} must be a positive integer"):

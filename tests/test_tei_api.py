@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from attnx.runtime import load
-from attnx.runtime.embeddings import Dimensions
-from attnx.runtime.protocol import Limits
+from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, cosine_rows, long_text, running_server
 from support import exports
 

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import TextModel, load
-from attnx.runtime.pooling import Pooling, pool_batch, read_pooling
+from attnx.runtime.core.pooling import Pooling, pool_batch, read_pooling
 from conftest_runtime import cosine_rows, running_server
 from support.cli import run as attnx
 

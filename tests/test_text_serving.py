@@ -14,7 +14,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, TextModel, load
-from attnx.runtime.metrics import histogram_counts
+from attnx.runtime.wire.metrics import histogram_counts
 from conftest_runtime import EXPORT_KW, cosine_rows, long_text, running_server
 from support import exports
 

@@ -210,7 +210,7 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
 
 def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transformers_embeddings(
         text_repo, minilm_onnx, sbert, pb_utils):
-    from attnx.runtime.encode import TextModel
+    from attnx.runtime.core.encode import TextModel
 
     texts = [*SHORT, MEDIUM, LONG]
     model = load_tokenizer_model(text_repo.root / "minilm_tokenizer", pb_utils)
