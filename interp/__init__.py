@@ -1,7 +1,7 @@
 """Interpretability on any attnx model, in PyTorch and on deployed exports.
 
-- :mod:`attnx.interp.hooks`: hook points with TransformerLens' names, ``run_with_cache``,
-  ``run_with_hooks``.
+- hook points with TransformerLens' names, ``run_with_cache``, ``run_with_hooks``: re-exported from
+  :mod:`attnx.models.hooks` (model code names its hook points, so they live with the models).
 - :mod:`attnx.interp.patching`: activation patching and head ablation (torch).
 - :mod:`attnx.interp.analysis`: what each head does (entropy, previous-token, first-token/sink,
   self, local-window scores, a primary pattern or "mixed"); numpy, so serving can use it.
@@ -18,8 +18,9 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "HookPoint": "hooks", "ActivationCache": "hooks", "hook_points": "hooks",
-    "run_with_cache": "hooks", "run_with_hooks": "hooks", "patch_hook": "patching", "patch_heads": "patching",
+    "HookPoint": "attnx.models.hooks", "ActivationCache": "attnx.models.hooks", "hook_points": "attnx.models.hooks",
+    "run_with_cache": "attnx.models.hooks", "run_with_hooks": "attnx.models.hooks",
+    "patch_hook": "attnx.interp.patching", "patch_heads": "attnx.interp.patching",
 }
 
 __all__ = list(_LAZY)
@@ -29,6 +30,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'attnx.interp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"attnx.interp.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -305,7 +305,7 @@ def cache_patterns(model, inputs, attention_mask=None, *, layers: Sequence[int] 
     """
     import torch
 
-    from attnx.interp.hooks import run_with_cache
+    from attnx.models.hooks import run_with_cache
 
     n = _n_layers(model)
     layers = list(range(n)) if layers is None else [int(i) for i in layers]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from attnx.interp.hooks import HookFn, HookPoint, run_with_cache, run_with_hooks
+from attnx.models.hooks import HookFn, HookPoint, run_with_cache, run_with_hooks
 
 # Which axes of an activation hold heads and positions, by hook name suffix.
 _HEAD_AXES = {"hook_q": (2, 1), "hook_k": (2, 1), "hook_v": (2, 1), "hook_z": (2, 1),

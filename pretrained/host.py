@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnx.contract import Role
-from attnx.interp.hooks import Hooked
+from attnx.models.hooks import Hooked
 from attnx.models.signature import InputSpec, OutputSpec, check_inputs
 from attnx.pretrained import backend, placing
 from attnx.pretrained.folder import SentenceTransformerInfo

@@ -19,7 +19,7 @@ from explain_fixtures import MINILM, ablate_columns, minilm_export  # noqa: E402
 
 from attnx.interp.analysis import MIXED, analyze_patterns  # noqa: E402
 from attnx.interp.explain import ablation_table, compare_contexts, explain  # noqa: E402
-from attnx.interp.hooks import hooks  # noqa: E402
+from attnx.models.hooks import hooks  # noqa: E402
 from attnx.interp.page import explanation_page  # noqa: E402
 from attnx.interp.source import ExplainError, open_source, reference_source  # noqa: E402
 from attnx.pretrained.sentences import SENTENCES  # noqa: E402

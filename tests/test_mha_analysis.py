@@ -11,7 +11,7 @@ from attnx.models import VARIANTS, build_encoder
 from attnx.interp.analysis import (  # noqa: E402
     MIXED, PATTERNS, Standout, analyze_cache, analyze_heads, analyze_patterns, pattern_stats, primary_pattern,
 )
-from attnx.interp.hooks import run_with_cache
+from attnx.models.hooks import run_with_cache
 
 D, H, L = 32, 4, 8
 
