@@ -5,7 +5,7 @@ Public names: ``export_variant``, ``export_encoder``, ``ExportResult``, ``to_fp1
 (variants declare theirs with :mod:`attnx.models.onnx_ops`).
 """
 
-from attnx.export.checkpoint import load_checkpoint, save_checkpoint
+from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.describe import describe_model
 from attnx.export.exporter import DEFAULT_OPTIONS, LOWERINGS, ExportResult, export_encoder, export_variant
 from attnx.export.fp16 import to_fp16
