@@ -3,11 +3,11 @@
 - hook points with TransformerLens' names, ``run_with_cache``, ``run_with_hooks``: re-exported from
   :mod:`attnx.models.hooks` (model code names its hook points, so they live with the models).
 - :mod:`attnx.interp.patching`: activation patching and head ablation (torch).
-- :mod:`attnx.interp.analysis`: what each head does (entropy, previous-token, first-token/sink,
+- :mod:`attnx.explain.analysis`: what each head does (entropy, previous-token, first-token/sink,
   self, local-window scores, a primary pattern or "mixed"); numpy, so serving can use it.
-- :mod:`attnx.interp.source`: where patterns come from: an ONNX export, a running server, a torch model.
-- :mod:`attnx.interp.explain`: text -> patterns, analysis, head ablation, context comparison.
-- :mod:`attnx.interp.page`: the self-contained HTML page; :mod:`attnx.interp.visualize`: PNG heatmaps.
+- :mod:`attnx.explain.source`: where patterns come from: an ONNX export, a running server, a torch model.
+- :mod:`attnx.explain.explanation`: text -> patterns, analysis, head ablation, context comparison.
+- :mod:`attnx.explain.page`: the self-contained HTML page; :mod:`attnx.interp.visualize`: PNG heatmaps.
 
 The torch names are imported on first use, so the numpy parts (analysis, source, explain, page)
 load without torch: the server's ``/explain`` page uses them.

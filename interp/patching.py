@@ -116,13 +116,13 @@ class PatchingReport:
 
 def patching_sweep(source, batch, layer: int, *, corrupt=None, noise: float = 3.0, seed: int = 0,
                    context=None) -> PatchingReport:
-    """Activation patching of every head of ``layer`` on a torch source (:class:`attnx.interp.source.TorchSource`).
+    """Activation patching of every head of ``layer`` on a torch source (:class:`attnx.explain.source.TorchSource`).
 
     The corrupted run is ``corrupt`` (another :class:`EncodedBatch` of the same shape) or, by default,
     the same text with Gaussian noise of ``noise`` x the embeddings' std added to the token embeddings
     (``hook_embed``; the causal-tracing corruption of Meng et al., 2022), seeded."""
-    from attnx.interp.explain import _feeds, output_metric
-    from attnx.interp.source import ExplainError
+    from attnx.explain.explanation import _feeds, output_metric
+    from attnx.explain.source import ExplainError
 
     facts = source.facts
     layer = facts.check_layer(layer)

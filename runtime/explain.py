@@ -3,7 +3,7 @@
     add_explain_routes(app, registry)      # in create_app
 
 - ``GET /explain``: the served models that return attention patterns, with a text box each.
-- ``GET /explain/{model}?text=...``: the attention page (:mod:`attnx.interp.page`) for that text,
+- ``GET /explain/{model}?text=...``: the attention page (:mod:`attnx.explain.page`) for that text,
   computed by the model's own batcher (the request names the ``attentions.{i}`` outputs, so it
   is one more request in the queue, batched with the others).
 - ``GET /explain/{model}/info``: the model's attnx metadata and tokenizer file, what
@@ -48,7 +48,7 @@ class _Explainable:
     """What the page needs of one served model, built once: its facts and its tokenizer."""
 
     def __init__(self, model):
-        from attnx.interp.source import ExplainError, TextEncoder, model_facts
+        from attnx.explain.source import ExplainError, TextEncoder, model_facts
 
         info = model_info(model)
         if info is None:
@@ -74,7 +74,7 @@ def _model_folder(model) -> Path:
 
 
 class _BatcherSource:
-    """:class:`attnx.interp.source.Source` over a served model's batcher (the deployed model itself)."""
+    """:class:`attnx.explain.source.Source` over a served model's batcher (the deployed model itself)."""
 
     def __init__(self, model, explainable: _Explainable):
         self.model, self.facts, self.encoder = model, explainable.facts, explainable.encoder
@@ -92,7 +92,7 @@ def add_explain_routes(app: FastAPI, registry) -> None:
     cache: dict[str, _Explainable] = {}
 
     def explainable(name: str) -> _Explainable:
-        from attnx.interp.source import ExplainError
+        from attnx.explain.source import ExplainError
 
         model = registry.get(name)  # 404 for an unknown model
         if name not in cache:
@@ -126,9 +126,9 @@ def add_explain_routes(app: FastAPI, registry) -> None:
 
     @app.get("/explain/{name}")
     async def explain_page(name: str, text: str = "The cat sat on the mat.", layer: int | None = None):
-        from attnx.interp.explain import explain
-        from attnx.interp.page import explanation_page
-        from attnx.interp.source import ExplainError
+        from attnx.explain.explanation import explain
+        from attnx.explain.page import explanation_page
+        from attnx.explain.source import ExplainError
 
         ex = explainable(name)
         if not text.strip():

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest_runtime import running_server  # noqa: E402
 from explain_fixtures import minilm_export, ort_run  # noqa: E402
 
-from attnx.interp.explain import explain  # noqa: E402
-from attnx.interp.source import open_source  # noqa: E402
+from attnx.explain.explanation import explain  # noqa: E402
+from attnx.explain.source import open_source  # noqa: E402
 from attnx.runtime import BatcherConfig, load  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Explaining a model on real text, from whatever runs it (:mod:`attnx.interp.source`).
+"""Explaining a model on real text, from whatever runs it (:mod:`attnx.explain.source`).
 
     source = open_source("minilm.onnx")
     ex = explain(source, ["The cat sat on the mat"])             # patterns + per-head analysis
@@ -24,8 +24,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from attnx.interp.analysis import DEFAULT_STANDOUT, HeadBehavior, Standout, analyze_patterns
-from attnx.interp.source import (
+from attnx.explain.analysis import DEFAULT_STANDOUT, HeadBehavior, Standout, analyze_patterns
+from attnx.explain.source import (
     EncodedBatch, ExplainError, ModelFacts, Source, attention_output_name,
 )
 
