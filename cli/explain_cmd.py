@@ -101,9 +101,11 @@ def register(app: typer.Typer) -> None:
         self, local-window, primary pattern), an HTML page and PNG heatmaps; head ablation and patching;
         two context values compared."""
         from attnx.explain.analysis import Standout
-        from attnx.explain.explanation import ablation_table, compare_contexts, explain
+        from attnx.explain.explanation import compare_contexts, explain
         from attnx.explain.page import explanation_page
-        from attnx.explain.source import open_source, read_context, reference_source
+        from attnx.explain.source import read_context
+        from attnx.interp.patching import ablation_table
+        from attnx.interp.source import open_source, reference_source
 
         texts = list(texts or [])
         if sentences:

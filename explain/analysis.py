@@ -1,13 +1,13 @@
 """What each attention head does: entropy and pattern scores, and a primary pattern or "mixed".
 
-    behaviors = analyze_heads(model, x, mask)                  # torch: runs the model, caches hook_pattern
     behaviors = analyze_cache(cache, mask, is_causal=True)     # from a run_with_cache cache
     behaviors = analyze_patterns({0: p0, 3: p3}, mask, sinks=special)   # from any [B, H, L, L] arrays
     print(format_behaviors(behaviors))
 
 The numbers are computed with numpy (float64), so the deployed side (an ONNX export's
 ``attentions.{i}``, the server's ``/explain`` page) analyses without torch; torch tensors are
-accepted anywhere an array is.
+accepted anywhere an array is. Running a torch model and analysing its heads in one call is
+:func:`attnx.interp.analysis.analyze_heads`.
 
 Definitions (per head, pooled over every valid query row of every example)
 -------------------------------------------------------------------------
@@ -285,55 +285,6 @@ def analyze_cache(cache: Mapping[str, object], attention_mask=None, *, layers: S
     ordered = sorted(layers)
     return analyze_patterns({i: cache[keys[i]] for i in ordered}, attention_mask,
                             is_causal=[by_layer[i] for i in ordered], window=window, sinks=sinks, standout=standout)
-
-
-# --------------------------------------------------------------------------- running a torch model
-
-
-def _n_layers(model) -> int:
-    enc = getattr(model, "encoder", model)
-    return len(enc.blocks)
-
-
-def cache_patterns(model, inputs, attention_mask=None, *, layers: Sequence[int] | None = None,
-                   fwd_hooks: Sequence = (), **context) -> dict[str, object]:
-    """Run ``model(inputs, attention_mask, **context)`` once (no grad) and return
-    ``{"blocks.{i}.attn.hook_pattern": [B, H, Lq, Lk]}`` for the chosen layers.
-
-    ``fwd_hooks`` (hook name, fn) run before the caching, so an intervention (e.g. a
-    replaced pattern or an ablated head upstream) is what gets analysed.
-    """
-    import torch
-
-    from attnx.models.hooks import run_with_cache
-
-    n = _n_layers(model)
-    layers = list(range(n)) if layers is None else [int(i) for i in layers]
-    for i in layers:
-        if not 0 <= i < n:
-            raise ValueError(f"layer {i} out of range: the model has {n} layers (0..{n - 1})")
-    names = [f"blocks.{i}.attn.hook_pattern" for i in layers]
-    with torch.no_grad():
-        _, cache = run_with_cache(model, inputs, attention_mask, names_filter=names, fwd_hooks=fwd_hooks, **context)
-    return {n_: cache[n_] for n_ in names}
-
-
-def analyze_heads(model, hidden_states, attention_mask=None, *, layers: Sequence[int] | None = None, window: int = 3,
-                  standout: Standout = DEFAULT_STANDOUT, sinks=None, fwd_hooks: Sequence = (),
-                  **context) -> list[HeadBehavior]:
-    """Run a torch ``model`` once and analyse its heads.
-
-    ``model`` is an :class:`~attnx.models.encoder.Encoder` (``hidden_states`` ``[B, L, d_model]``)
-    or a wrapper with ``.encoder`` taking token ids (``GPT2LM``: pass ``input_ids``).
-    ``context`` holds the variant's extra inputs; ``fwd_hooks`` are applied during the run
-    (analyse a model under an intervention).
-    """
-    cache = cache_patterns(model, hidden_states, attention_mask, layers=layers, fwd_hooks=fwd_hooks, **context)
-    enc = getattr(model, "encoder", model)
-    chosen = list(pattern_keys(cache))
-    causal = [bool(getattr(enc.blocks[i].attn.config, "is_causal", False)) for i in chosen]
-    return analyze_cache(cache, attention_mask, layers=chosen, is_causal=causal, window=window, sinks=sinks,
-                         standout=standout)
 
 
 def format_behaviors(behaviors: Sequence[HeadBehavior]) -> str:

@@ -1,16 +1,20 @@
-"""Interpretability on any attnx model, in PyTorch and on deployed exports.
+"""Interpretability on any attnx model in PyTorch, and the sources that open a model for explaining.
 
 - hook points with TransformerLens' names, ``run_with_cache``, ``run_with_hooks``: re-exported from
-  :mod:`attnx.models.hooks` (model code names its hook points, so they live with the models).
-- :mod:`attnx.interp.patching`: activation patching and head ablation (torch).
-- :mod:`attnx.explain.analysis`: what each head does (entropy, previous-token, first-token/sink,
-  self, local-window scores, a primary pattern or "mixed"); numpy, so serving can use it.
-- :mod:`attnx.explain.source`: where patterns come from: an ONNX export, a running server, a torch model.
-- :mod:`attnx.explain.explanation`: text -> patterns, analysis, head ablation, context comparison.
-- :mod:`attnx.explain.page`: the self-contained HTML page; :mod:`attnx.interp.visualize`: PNG heatmaps.
+  :mod:`attnx.models.hooks` (model code names its hook points, so they live with the models);
+- :mod:`attnx.interp.patching`: activation patching and head ablation (torch), and the ablation
+  table of ``attnx explain --ablate`` (the deployed model's head ablation beside the torch reference's
+  ablation and patching);
+- :mod:`attnx.interp.analysis`: run a torch model once and analyse its heads (the numbers:
+  :mod:`attnx.explain.analysis`);
+- :mod:`attnx.interp.source`: where patterns come from: an ONNX export (through the runtime), a running
+  server, a torch model (a Hugging Face folder, an export's reference);
+- :mod:`attnx.interp.visualize`: PNG heatmaps and the HTML page of a torch cache.
 
-The torch names are imported on first use, so the numpy parts (analysis, source, explain, page)
-load without torch: the server's ``/explain`` page uses them.
+Explaining itself (facts, tokenizer, per-head analysis, ablation through ``head_mask``, the page) is
+numpy and lives in :mod:`attnx.explain`, which the server's ``/explain`` page imports. This package
+sits above the runtime, the exporter and the pretrained hosts; the names below are imported on first
+use, so ``import attnx.interp`` loads none of them.
 """
 
 from __future__ import annotations

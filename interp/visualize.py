@@ -86,7 +86,7 @@ def attention_html(tokens: Sequence[str], patterns: Mapping, layers: Sequence[in
     """The attention page (:mod:`attnx.explain.page`) for one example: layer and head selectors, a
     query x key heatmap or token-to-token lines (hover for weights) and the heads' analysis.
 
-    ``behaviors`` (from :func:`attnx.explain.analysis.analyze_heads`) fills the analysis table.
+    ``behaviors`` (from :func:`attnx.interp.analysis.analyze_heads`) fills the analysis table.
     ``heads`` limits the analysis rows shown; every head's map stays selectable.
     """
     from attnx.explain.page import page_data, render_page
@@ -209,7 +209,8 @@ def visualize_text(model, tokenizer, text: str, out_dir: str | Path, layers: Seq
 
     Returns ``{"html": Path, "png": [Path, ...], "tokens": [...], "behaviors": [...]}``.
     """
-    from attnx.explain.analysis import analyze_cache, cache_patterns
+    from attnx.explain.analysis import analyze_cache
+    from attnx.interp.analysis import cache_patterns
 
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is None:

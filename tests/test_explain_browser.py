@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from explain_fixtures import minilm_export  # noqa: E402
 
 from attnx.explain.explanation import explain  # noqa: E402
-from attnx.explain.source import open_source  # noqa: E402
+from attnx.interp.source import open_source  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -18,10 +18,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from explain_fixtures import MINILM, ablate_columns, minilm_export  # noqa: E402
 
 from attnx.explain.analysis import MIXED, analyze_patterns  # noqa: E402
-from attnx.explain.explanation import ablation_table, compare_contexts, explain  # noqa: E402
+from attnx.explain.explanation import compare_contexts, explain  # noqa: E402
 from attnx.models.hooks import hooks  # noqa: E402
 from attnx.explain.page import explanation_page  # noqa: E402
-from attnx.explain.source import ExplainError, open_source, reference_source  # noqa: E402
+from attnx.explain.source import ExplainError  # noqa: E402
+from attnx.interp.patching import ablation_table  # noqa: E402
+from attnx.interp.source import open_source, reference_source  # noqa: E402
 from attnx.pretrained.sentences import SENTENCES  # noqa: E402
 
 ATTNX = [sys.executable, "-m", "attnx.cli.main"]

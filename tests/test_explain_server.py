@@ -21,7 +21,7 @@ from conftest_runtime import running_server  # noqa: E402
 from explain_fixtures import minilm_export, ort_run  # noqa: E402
 
 from attnx.explain.explanation import explain  # noqa: E402
-from attnx.explain.source import open_source  # noqa: E402
+from attnx.interp.source import open_source  # noqa: E402
 from attnx.runtime import BatcherConfig, load  # noqa: E402
 
 

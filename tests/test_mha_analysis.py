@@ -9,8 +9,9 @@ import torch
 
 from attnx.models import VARIANTS, build_encoder
 from attnx.explain.analysis import (  # noqa: E402
-    MIXED, PATTERNS, Standout, analyze_cache, analyze_heads, analyze_patterns, pattern_stats, primary_pattern,
+    MIXED, PATTERNS, Standout, analyze_cache, analyze_patterns, pattern_stats, primary_pattern,
 )
+from attnx.interp.analysis import analyze_heads  # noqa: E402
 from attnx.models.hooks import run_with_cache
 
 D, H, L = 32, 4, 8
