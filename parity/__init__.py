@@ -5,6 +5,7 @@
 - :mod:`~attnx.parity.compare`: tolerances (per precision; variants override) and the tie-aware compare function;
 - :mod:`~attnx.parity.report`: comparisons, the verdict, the JSON report;
 - :mod:`~attnx.parity.check`: :func:`run_check`, which puts them together;
+- :mod:`~attnx.parity.render`: what ``attnx check`` prints for each kind of report;
 - pretrained exports (real models): :mod:`~attnx.parity.text_cases` (real texts through the export's
   tokenizer, :mod:`attnx.export.tokenizer`), :mod:`~attnx.parity.original` (the original transformers / sentence-transformers model,
   and whether it still applies), :mod:`~attnx.parity.text_report` (per-sentence figures, what must
