@@ -6,7 +6,8 @@
     attnx explain model.onnx "..." --ablate --layer 3            # each head of layer 3 ablated + patching
     attnx explain model.onnx "..." --context a.json --against b.json   # two context values
 
-The work is in :mod:`attnx.explain.explanation`; this module parses, prints and writes files.
+The work is in :mod:`attnx.explain` (numpy) and :mod:`attnx.interp` (opening the model, patching on torch);
+this module parses, prints and writes files.
 """
 
 from __future__ import annotations
