@@ -267,7 +267,7 @@ def int8_table(threads: int, folder: Path, profile: bool = False) -> None:
     from attnx.contract import ModelInfo
     from attnx.export.pretrained import export_pretrained
     from attnx.export.quantize import quantize_file
-    from attnx.parity.text_cases import ExportTokenizer
+    from attnx.export.tokenizer import ExportTokenizer
     from attnx.pretrained import minilm_path
     from attnx.pretrained.sentences import SENTENCES
 

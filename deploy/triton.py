@@ -17,28 +17,10 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-
-from attnx.contract import BATCH, Role
-from attnx.runtime.core.session import Session, TensorSpec
-
-#: numpy dtype -> Triton ``DataType`` enum name.
-TRITON_TYPES = {
-    "bool": "TYPE_BOOL",
-    "uint8": "TYPE_UINT8",
-    "uint16": "TYPE_UINT16",
-    "uint32": "TYPE_UINT32",
-    "uint64": "TYPE_UINT64",
-    "int8": "TYPE_INT8",
-    "int16": "TYPE_INT16",
-    "int32": "TYPE_INT32",
-    "int64": "TYPE_INT64",
-    "float16": "TYPE_FP16",
-    "float32": "TYPE_FP32",
-    "float64": "TYPE_FP64",
-    "bfloat16": "TYPE_BF16",
-    "object": "TYPE_STRING",  # BYTES tensors (texts) are numpy object arrays
-}
+from attnx.contract import Role
+from attnx.runtime.core.session import TensorSpec
+# The config itself is the server's too (GET /v2/models/{m}/config); deploy writes and checks it.
+from attnx.runtime.apis.model_config import ConfigError, Enum, model_config  # noqa: F401 (model_config: deploy's too)
 
 PLATFORMS = {".onnx": ("onnxruntime_onnx", "onnxruntime", "model.onnx"),
              ".engine": ("tensorrt_plan", "tensorrt", "model.plan"),
@@ -52,91 +34,12 @@ MAP_FIELDS = ("parameters", "input_map", "output_map")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-class ConfigError(ValueError):
-    """A config.pbtxt that Triton's schema (or a basic sanity check) rejects."""
-
-
 def check_model_name(name: str) -> str:
     """``name`` when it can be a folder of the repository and a URL path segment; else a ConfigError."""
     if not isinstance(name, str) or not _MODEL_NAME.fullmatch(name) or ".." in name:
         raise ConfigError(f"model name {name!r} is not a plain name: use letters, digits, '_', '-' and '.' "
                           "(starting with a letter or digit, no '..', at most 128 characters)")
     return name
-
-
-def triton_type(dtype) -> str:
-    """Triton's ``DataType`` name of a numpy dtype (one clear error for a type Triton has not)."""
-    name = np.dtype(dtype).name
-    if name not in TRITON_TYPES:
-        raise ConfigError(f"Triton has no data type for numpy {name}")
-    return TRITON_TYPES[name]
-
-
-class Enum(str):
-    """A protobuf enum value: written bare in text format (``TYPE_FP32``, not ``"TYPE_FP32"``)."""
-
-
-# --------------------------------------------------------------------------------------
-# The config, as a dict shaped like Triton's ModelConfig message
-# --------------------------------------------------------------------------------------
-
-
-def _tensor_config(spec: TensorSpec, batched: bool) -> dict[str, Any]:
-    dims = [d if isinstance(d, int) else -1 for axis, d in enumerate(spec.shape) if not (batched and axis == 0)]
-    entry: dict[str, Any] = {"name": spec.name, "data_type": Enum(triton_type(spec.dtype))}
-    if dims:
-        entry["dims"] = dims
-    else:
-        # A [batch] tensor has no dims left once batch is implicit; Triton's idiom for it is
-        # dims [1] reshaped to [] (the model sees [batch]).
-        entry["dims"] = [1]
-        entry["reshape"] = {"shape": []}
-    return entry
-
-
-def model_config(
-    name: str,
-    model: Session | tuple[list[TensorSpec], list[TensorSpec]],
-    *,
-    platform: str | None = None,
-    max_batch_size: int = 32,
-    max_queue_delay_us: int = 2000,
-    max_queue_size: int | None = None,
-    instance_kind: str = "KIND_AUTO",
-    instance_count: int = 1,
-    default_model_filename: str | None = None,
-    parameters: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """Triton's ModelConfig for a model, as a dict (field names as in model_config.proto).
-
-    Batch is implicit (``max_batch_size`` > 0) when every input and output has it
-    as its first dim; otherwise ``max_batch_size`` is 0 and dims include it.
-    """
-    if isinstance(model, Session):
-        inputs, outputs = model.inputs, model.outputs
-        platform = platform or model.platform
-    else:
-        inputs, outputs = model
-    platform = platform or "onnxruntime_onnx"
-    batched = max_batch_size > 0 and all(s.shape[:1] == (BATCH,) for s in list(inputs) + list(outputs))
-    config: dict[str, Any] = {
-        "name": name,
-        "platform": platform,
-        "max_batch_size": max_batch_size if batched else 0,
-        "input": [_tensor_config(s, batched) for s in inputs],
-        "output": [_tensor_config(s, batched) for s in outputs],
-    }
-    if batched:
-        dyn: dict[str, Any] = {"max_queue_delay_microseconds": int(max_queue_delay_us)}
-        if max_queue_size:
-            dyn["default_queue_policy"] = {"max_queue_size": int(max_queue_size)}
-        config["dynamic_batching"] = dyn
-    config["instance_group"] = [{"kind": Enum(instance_kind), "count": int(instance_count)}]
-    if default_model_filename:
-        config["default_model_filename"] = default_model_filename
-    if parameters:
-        config["parameters"] = {k: {"string_value": v} for k, v in parameters.items()}
-    return config
 
 
 def python_model_config(config: dict[str, Any], inputs: list[TensorSpec], outputs: list[TensorSpec], *,

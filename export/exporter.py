@@ -33,7 +33,7 @@ from attnx.contract import DEFAULT_PROFILES, IR_VERSION, MIN_OPSET, ONNX_OPSET, 
 from attnx.export import fuse as fusions
 from attnx.export import ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
-from attnx.export.checkpoint import load_checkpoint, save_checkpoint
+from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 from attnx.models.attention import attention_path
 from attnx.models.build import build_encoder

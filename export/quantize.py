@@ -303,10 +303,11 @@ def calibration_feeds(path, info) -> list[dict]:
     """One feed per :data:`CALIBRATION` sentence through the export's own tokenizer (batch 1, no
     padding); a model without a tokenizer: eight synthetic batches. Context inputs are random but valid."""
     from attnx.contract import Role
-    from attnx.deploy.loadtest import synthetic_feeds
-    from attnx.runtime.core.session import TensorSpec
+    from attnx.export.tokenizer import ExportTokenizer
+    from attnx.feeds import synthetic_feeds
+    from attnx.pretrained.sentences import CALIBRATION
 
-    specs = [TensorSpec(e.name, np.dtype(e.dtype), tuple(e.shape), e.role, e.range) for e in info.inputs]
+    specs = list(info.inputs)
     rng = np.random.default_rng(0)
     if not info.tokenizer:  # synthetic batches; token ids drawn over the whole vocabulary
         seq_max = int((info.profiles or {}).get("seq", (1, 1, 128))[2])  # a model's positions cap it
@@ -316,9 +317,6 @@ def calibration_feeds(path, info) -> list[dict]:
                 if spec.role == Role.INPUT_IDS and spec.range is not None:
                     feed[spec.name] = rng.integers(*spec.range, size=feed[spec.name].shape).astype(spec.dtype)
         return feeds
-    from attnx.parity.text_cases import ExportTokenizer
-    from attnx.pretrained.sentences import CALIBRATION
-
     feeds = []
     for enc in ExportTokenizer(path, info).encode(CALIBRATION):
         feed = synthetic_feeds(specs, 1, len(enc.ids), rng)

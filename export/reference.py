@@ -37,7 +37,7 @@ def model_from_config(config: dict) -> nn.Module:
 
 def load_reference(path: str | os.PathLike) -> tuple[nn.Module, ModelInfo]:
     """``(model with the export's weights, its metadata)``; one clear error when it cannot be rebuilt."""
-    from attnx.export.checkpoint import load_checkpoint
+    from attnx.models.checkpoint import load_checkpoint
 
     path = Path(path)
     info = ModelInfo.read(path)

@@ -259,30 +259,3 @@ def _against_original(source: str, prompts, fed, ref_steps, runners, bounds, com
     comparisons.append({"runner": "torch", "reference": "original", "output": "logits", "max_abs": worst,
                         "passed": ok})
     return worst, ok
-
-
-def render(report: GenerationReport, console, report_path=None) -> None:
-    """What ``attnx check`` prints for a with-past export."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"cached generation of {escape(report.model.name)} ({report.variant}, {report.precision}): "
-                        f"{len(report.texts)} texts in one left-padded batch, prefill + {report.steps} steps",
-                  title_justify="left")
-    for col in ("runtime", "vs", "output", "max abs", ""):
-        table.add_column(col)
-    for c in report.comparisons:
-        table.add_row(c["runner"], c["reference"], c["output"], f"{c['max_abs']:.2e}",
-                      "[green]ok[/green]" if c["passed"] else "[red]FAIL[/red]")
-    for t in report.tokens:
-        table.add_row(t["runner"], t["reference"], "greedy tokens",
-                      f"{t['differ']} differ" + (f", {t['ties']} tie(s)" if t["ties"] else ""),
-                      "[green]ok[/green]" if t["passed"] else "[red]FAIL[/red]")
-    console.print(table)
-    for note in report.notes:
-        console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
-    if report.engine_unchecked:
-        console.print(f"[yellow]engine not run here:[/yellow] {escape(report.engine_unchecked)}", highlight=False)
-    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
-    console.print(f"{verdict} in {report.seconds:.1f}s" + (f"; report: {escape(str(report_path))}" if report_path else ""),
-                  highlight=False)

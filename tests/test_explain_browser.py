@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from explain_fixtures import explained_minilm  # noqa: E402
 
-from attnx.interp.explain import explain  # noqa: E402
+from attnx.explain.explanation import explain  # noqa: E402
 from attnx.interp.source import open_source  # noqa: E402
 from support.cli import run as attnx  # noqa: E402
 

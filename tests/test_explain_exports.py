@@ -20,7 +20,7 @@ from explain_fixtures import MINILM, ablate_columns, explained_minilm, ort_run  
 from attnx.contract import ModelInfo  # noqa: E402
 from attnx.export import export_encoder, export_variant  # noqa: E402
 from attnx.export.pretrained import export_pretrained  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 from attnx.models import VARIANTS, build_encoder  # noqa: E402
 from attnx.models.signature import example_tensor  # noqa: E402
 

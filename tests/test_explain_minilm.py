@@ -16,11 +16,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from explain_fixtures import MINILM, ablate_columns, explained_minilm  # noqa: E402
 
-from attnx.interp.analysis import MIXED, analyze_patterns  # noqa: E402
-from attnx.interp.explain import ablation_table, compare_contexts, explain  # noqa: E402
-from attnx.interp.hooks import hooks  # noqa: E402
-from attnx.interp.page import explanation_page  # noqa: E402
-from attnx.interp.source import ExplainError, open_source, reference_source  # noqa: E402
+from attnx.explain.analysis import MIXED, analyze_patterns  # noqa: E402
+from attnx.explain.explanation import compare_contexts, explain  # noqa: E402
+from attnx.models.hooks import hooks  # noqa: E402
+from attnx.explain.page import explanation_page  # noqa: E402
+from attnx.explain.source import ExplainError  # noqa: E402
+from attnx.interp.patching import ablation_table  # noqa: E402
+from attnx.interp.source import open_source, reference_source  # noqa: E402
 from attnx.pretrained.sentences import SENTENCES  # noqa: E402
 from support.cli import run as attnx  # noqa: E402
 
@@ -188,7 +190,7 @@ def test_context_comparison_smal(tmp_path_factory, tmp_path):
     dh = spec["trace"].shape[-1]  # the trace is shared (given once): only self_state differs
     a_json.write_text(json.dumps({"self_state": [0.0] * d_self, "trace": (0.05 * np.eye(dh)).tolist()}))
     b_json.write_text(json.dumps({"self_state": [1.5] * d_self}))
-    from attnx.interp.source import read_context
+    from attnx.explain.source import read_context
 
     cmp = compare_contexts(src, ["The cat sat on the mat."], read_context(a_json, src.facts),
                            read_context(b_json, src.facts))

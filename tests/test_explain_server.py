@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest_runtime import running_server  # noqa: E402
 from explain_fixtures import explained_minilm, ort_run  # noqa: E402
 
-from attnx.interp.explain import explain  # noqa: E402
+from attnx.explain.explanation import explain  # noqa: E402
 from attnx.interp.source import open_source  # noqa: E402
 from attnx.runtime import BatcherConfig, load  # noqa: E402
 from support.cli import run as attnx  # noqa: E402

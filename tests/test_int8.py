@@ -14,7 +14,7 @@ from onnx import numpy_helper
 from attnx import parity
 from attnx.contract import DOMAIN, ModelInfo
 from attnx.export.quantize import quantize_file
-from attnx.parity.text_cases import ExportTokenizer
+from attnx.export.tokenizer import ExportTokenizer
 from attnx.parity.text_report import COSINE
 from attnx.pretrained.sentences import SENTENCES
 from support import exports

@@ -19,7 +19,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from attnx import parity, pretrained  # noqa: E402
 from attnx.contract import ModelInfo  # noqa: E402
-from attnx.parity.text_cases import ExportTokenizer, default_texts  # noqa: E402
+from attnx.export.tokenizer import ExportTokenizer  # noqa: E402
+from attnx.parity.text_cases import default_texts  # noqa: E402
 from attnx.pretrained.sentences import SENTENCES  # noqa: E402
 from support.cli import one_line_error  # noqa: E402
 from support.cli import run as attnx  # noqa: E402

@@ -29,7 +29,7 @@ import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 from attnx import pretrained  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 from attnx.pretrained import placing  # noqa: E402
 from attnx.pretrained.host import TASKS, positions_from_mask  # noqa: E402
 

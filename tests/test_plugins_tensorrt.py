@@ -22,6 +22,7 @@ from onnx import TensorProto, helper
 from attnx import plugins
 from attnx.contract import DOMAIN, IR_VERSION, ONNX_OPSET
 from attnx.export import ops
+from attnx.models import onnx_ops
 from attnx import engine as tb
 from attnx.engine import discovery, targets
 from attnx.engine.forms import engine_form
@@ -57,9 +58,9 @@ def both_ops_model(path: Path, dtype=FLOAT, *, dh: int = 8, trace_size: int | No
     ts = trace_size or dh
     return make_model(
         path,
-        [ops.make_node(MAW_DEPTH_SELECT, ["q_depth", "k_depth", "policy"], ["logits", "depth"], name="maw0",
+        [onnx_ops.make_node(MAW_DEPTH_SELECT, ["q_depth", "k_depth", "policy"], ["logits", "depth"], name="maw0",
                        scale=0.25),
-         ops.make_node(TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta0")],
+         onnx_ops.make_node(TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta0")],
         [("q_depth", dtype, ["batch", 4, "seq", depth]), ("k_depth", dtype, ["batch", 4, "seq", depth]),
          ("policy", dtype, [policy_batch, policy_depth or depth]),
          ("q", dtype, ["batch", 4, "seq", dh]), ("k", dtype, ["batch", 4, "seq", k_head or dh]),
@@ -266,7 +267,7 @@ def test_without_the_plugins_the_bodies_are_inlined(rtx, tmp_path):
 def test_lq_differs_from_lk(loaded, tmp_path):
     path = make_model(
         tmp_path / "lqlk.onnx",
-        [ops.make_node(TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta_cross")],
+        [onnx_ops.make_node(TTA_DISTANCE, ["q", "k", "trace"], ["dist"], name="tta_cross")],
         [("q", FLOAT, ["batch", 2, "lq", 16]), ("k", FLOAT, ["batch", 2, "lk", 16]), ("trace", FLOAT, [1, 2, 16, 16])],
         [("dist", FLOAT, ["batch", 2, "lq", "lk"])])
     net = tb.parse_onnx(path)

@@ -1,7 +1,7 @@
 """The server's attention pages: ``/explain`` computed with the deployed model.
 
 - ``GET /explain``: the served models that return attention patterns, with a text box each.
-- ``GET /explain/{model}?text=...``: the attention page (:mod:`attnx.interp.page`) for that text,
+- ``GET /explain/{model}?text=...``: the attention page (:mod:`attnx.explain.page`) for that text,
   computed by the model's own batcher (the request names the ``attentions.{i}`` outputs, so it
   is one more request in the queue, batched with the others).
 - ``GET /explain/{model}/info``: the model's attnx metadata and tokenizer file, what
@@ -37,7 +37,7 @@ class _Explainable:
     """What the page needs of one served model, built once: its facts and its tokenizer."""
 
     def __init__(self, model):
-        from attnx.interp.source import ExplainError, TextEncoder, model_facts
+        from attnx.explain.source import ExplainError, TextEncoder, model_facts
 
         info, source = source_info(model.session)  # an engine: the ONNX its sidecar names, beside it
         if info is None:
@@ -54,7 +54,7 @@ class _Explainable:
 
 
 class _BatcherSource:
-    """:class:`attnx.interp.source.Source` over a served model's batcher (the deployed model itself)."""
+    """:class:`attnx.explain.source.Source` over a served model's batcher (the deployed model itself)."""
 
     def __init__(self, model, explainable: _Explainable):
         self.model, self.facts, self.encoder = model, explainable.facts, explainable.encoder
@@ -72,7 +72,7 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> {
 
 
 def explainable(registry, name: str) -> _Explainable:
-    from attnx.interp.source import ExplainError
+    from attnx.explain.source import ExplainError
 
     model = registry.get(name)  # 404 for an unknown model
     cache = _CACHE.setdefault(registry, {})
@@ -119,9 +119,9 @@ async def explain_page(name: str, request: Request, text: str = "The cat sat on 
     s = serving(request)
 
     async def work(call):
-        from attnx.interp.explain import explain
-        from attnx.interp.page import explanation_page
-        from attnx.interp.source import ExplainError
+        from attnx.explain.explanation import explain
+        from attnx.explain.page import explanation_page
+        from attnx.explain.source import ExplainError
 
         ex = explainable(s.registry, name)
         call.named(s.registry.get(name))

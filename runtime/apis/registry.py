@@ -133,7 +133,7 @@ class ServedModel:
 
     def config(self) -> dict[str, Any]:
         """A Triton model configuration (JSON form), as ``GET .../config`` returns."""
-        from attnx.deploy.triton import model_config
+        from attnx.runtime.apis.model_config import model_config
 
         params = None
         if self.tokenizer is not None:

@@ -1,6 +1,6 @@
 """The attention page: one self-contained HTML file (inline CSS, JS and data; no network).
 
-    html = explanation_page(ex)                        # from attnx.interp.explain.explain(...)
+    html = explanation_page(ex)                        # from attnx.explain.explanation.explain(...)
     html = explanation_page(cmp.a, compare=cmp)        # two context values: A, B and B - A per head
     html = explanation_page(ex, ablation=rows)         # plus the head-ablation / patching table
 
@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from attnx.interp.analysis import PATTERN_TITLES, PATTERNS, HeadBehavior
+from attnx.explain.analysis import PATTERN_TITLES, PATTERNS, HeadBehavior
 
 SCALE = 1000  # weights are stored as round(w * SCALE)
 
@@ -135,7 +135,7 @@ def opening_view(data: dict, layer: int | None = None) -> dict:
 
 def explanation_page(ex, *, compare=None, ablation: dict | None = None, title: str | None = None,
                      form_action: str | None = None, layer: int | None = None) -> str:
-    """The page for an :class:`~attnx.interp.explain.Explanation` (and optionally its comparison / ablation),
+    """The page for an :class:`~attnx.explain.explanation.Explanation` (and optionally its comparison / ablation),
     opening on ``layer`` (``attnx explain --layer``) at its most distinctive head (:func:`opening_view`)."""
     extras = []
     for row in range(len(ex.batch.tokens)):

@@ -1,13 +1,15 @@
-"""Explaining a model on real text, from whatever runs it (:mod:`attnx.interp.source`).
+"""Explaining a model on real text, from whatever runs it (a :class:`~attnx.explain.source.Source`).
 
-    source = open_source("minilm.onnx")
+    source = open_source("minilm.onnx")                          # attnx.interp.source
     ex = explain(source, ["The cat sat on the mat"])             # patterns + per-head analysis
     report = ablate_layer(source, ex.batch, layer=0)              # each head of layer 0 through head_mask
     cmp = compare_contexts(source, ["..."], ctx_a, ctx_b)         # one input under two context values
 
 Everything here is numpy over ``source.run`` (the export's outputs ``attentions.{i}`` and its
 ``head_mask`` input), so the same code explains an ONNX file, a running server and a torch model;
-comparing two sources (an export and its torch reference) is comparing two calls.
+comparing two sources (an export and its torch reference) is comparing two calls. The table that
+adds activation patching on the torch model (``attnx explain --ablate``) is
+:func:`attnx.interp.patching.ablation_table`.
 
 Output effects (:func:`output_effect`), by the model's main output:
 
@@ -24,8 +26,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from attnx.interp.analysis import DEFAULT_STANDOUT, HeadBehavior, Standout, analyze_patterns
-from attnx.interp.source import (
+from attnx.explain.analysis import DEFAULT_STANDOUT, HeadBehavior, Standout, analyze_patterns
+from attnx.explain.source import (
     EncodedBatch, ExplainError, ModelFacts, Source, attention_output_name,
 )
 
@@ -248,49 +250,3 @@ def compare_contexts(source: Source, texts, context_a: Mapping, context_b: Mappi
     distance = {"metric": metric.description, "value": metric.effect(ex_a.main, ex_b.main, mask),
                 "max_abs": float(np.abs(ex_a.main.astype(np.float64) - ex_b.main).max())}
     return ContextComparison(ex_a, ex_b, diffs, distance)
-
-
-# --------------------------------------------------------------------------- the side-by-side table
-
-
-@dataclass
-class AblationTable:
-    """``attnx explain --ablate``: per head of one layer, the deployed model's ablation effect, the same
-    ablation on the torch reference, and activation patching on the torch reference; rows ranked by
-    the deployed model's effect."""
-
-    layer: int
-    metric: str
-    columns: list[str]
-    rows: list[dict]  # {"head": h, column: value}
-    patching: str = ""  # how the corrupted run was made
-
-    @property
-    def ranking(self) -> list[int]:
-        return [r["head"] for r in self.rows]
-
-
-def ablation_table(source: Source, batch: EncodedBatch, layer: int, *, reference: Source | None = None,
-                   patch: bool = True, corrupt: EncodedBatch | None = None, context=None,
-                   target_id: int | None = None) -> AblationTable:
-    """Ablate each head of ``layer`` on ``source`` (and ``reference``, a torch source) and, with ``patch``,
-    sweep activation patching over the same heads on the torch model (``reference``, or ``source`` itself
-    when it is one)."""
-    own = ablate_layer(source, batch, layer, context=context, target_id=target_id)
-    columns = ["ablated (torch)" if hasattr(source, "model") else "ablated (deployed)"]
-    values = {columns[0]: own.effects}
-    if reference is not None:
-        ref = ablate_layer(reference, batch, layer, context=context, target_id=target_id)
-        columns.append("ablated (torch reference)")
-        values[columns[-1]] = ref.effects
-    torch_source = reference if reference is not None else (source if hasattr(source, "model") else None)
-    how = ""
-    if patch and torch_source is not None:
-        from attnx.interp.patching import patching_sweep
-
-        report = patching_sweep(torch_source, batch, layer, corrupt=corrupt, context=context)
-        columns.append("patched: share restored")
-        values[columns[-1]] = report.restored
-        how = report.corruption
-    rows = [{"head": h, **{c: values[c][h] for c in columns}} for h in own.ranking]
-    return AblationTable(own.layer, own.metric.description, columns, rows, how)
