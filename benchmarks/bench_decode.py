@@ -373,9 +373,9 @@ def main() -> None:
     ap.add_argument("--venvs", type=Path, default=VENVS)
     ap.add_argument("--no-setup", action="store_true", help="use existing peer venvs only")
     ap.add_argument("--report", type=Path, help="write every number as JSON here")
+    if "--quick" in sys.argv[1:]:  # new defaults: options given beside --quick still win
+        ap.set_defaults(rounds=2, new_tokens=16, ppl_tokens=128, agree_tokens=8)
     args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.new_tokens, args.ppl_tokens, args.agree_tokens = 2, 16, 128, 8
     os.environ.update(ENV)
     from rich.console import Console
     from rich.table import Table
