@@ -41,7 +41,7 @@ def log_softmax_at(logits: np.ndarray, ids) -> np.ndarray:
 
 def attnx(model: str, threads: int, option: str):
     from attnx.runtime import load
-    from attnx.runtime.decoding import Decoder
+    from attnx.runtime.core.decoding import Decoder
 
     decoder = Decoder(load(model, device="cpu", threads=threads))
 
