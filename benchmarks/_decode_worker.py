@@ -3,7 +3,7 @@
 Run with the Python of the contender's own venv: ``python _decode_worker.py KIND MODEL THREADS [OPTION]``.
 Kinds (each configured as its own docs tell a user, with ``THREADS`` intra-op threads and batch 1):
 
-- ``attnx``: ``attnx.runtime.decoding.Decoder`` on a with-past export (ONNX Runtime, ``load(threads=)``);
+- ``attnx``: ``attnx.runtime.core.decoding.Decoder`` on a with-past export (ONNX Runtime, ``load(threads=)``);
 - ``llama-cpp``: llama-cpp-python's ``Llama`` on a GGUF file (``n_threads`` = ``n_threads_batch`` =
   THREADS, ``n_batch`` 512, greedy sampler: ``top_k=1``, ``temp=0``);
 - ``genai``: onnxruntime-genai's ``Generator`` on a folder with ``genai_config.json`` (its session options

@@ -7,8 +7,9 @@ tokenizer folder, ...), keyed on everything the result depends on:
   (sizes and sha256 of its files; the random folders of ``tests/hf_folders.py`` are seeded, so the same
   folder made by another session or worker hits the same entry);
 - the code that made it: a sha256 of the sources of the packages at or below ``attnx.export`` in the
-  layer order (``attnx``, ``models``, ``pretrained``, ``interp``, ``export``) and of the test modules that
-  define models (``toy_variant.py``, ``hf_folders.py``);
+  layer order (``pyproject.toml``'s import contract, checked by ``tests/test_layers.py``: ``attnx``,
+  ``models``, ``explain``, ``plugins``, ``pretrained``, ``export``) and of the test modules that define
+  models (``toy_variant.py``, ``hf_folders.py``);
 - the libraries: torch, onnx, onnxscript, onnxruntime, transformers, tokenizers, ... versions.
 
 The cache lives outside the checkout (``$ATTNX_TEST_CACHE``, default ``~/.cache/attnx/test-exports``),
@@ -36,8 +37,8 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
-#: Packages whose code an export depends on (the layers at and below attnx.export).
-EXPORT_PACKAGES = ("attnx", "models", "pretrained", "interp", "export")
+#: Packages whose code an export depends on: the layers at and below attnx.export (pyproject.toml's contract).
+EXPORT_PACKAGES = ("attnx", "models", "explain", "plugins", "pretrained", "export")
 MODEL_TEST_MODULES = ("toy_variant.py", "hf_folders.py")
 LIBRARIES = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers",
              "sentence-transformers", "safetensors", "numpy")
