@@ -41,8 +41,9 @@ MARKERS = {
     "chromium": "needs Debian's chromium (make test installs it)",
     "git": "needs a git checkout of attnx",
 }
-#: Not a requirement: the slowest tests (over ~20 s each in .ci/durations.txt), left out of a quick
-#: local loop with ``-m "not slow"``; ``make test`` runs them.
+#: Not a requirement: the slowest tests (``SLOW_SECONDS`` or more in .ci/durations.txt, marked when
+#: collected), left out of a quick local loop with ``-m "not slow"``; ``make test`` runs them.
+SLOW_SECONDS = 15.0
 SLOW = "slow: among the slowest tests (-m 'not slow' leaves them out of a quick loop; make test runs them)"
 
 
@@ -75,7 +76,39 @@ def pytest_configure(config):
         cache.prune()
 
 
+def _recorded_durations() -> dict[str, float]:
+    """Seconds per test id from the last full run's ``.ci/durations.txt`` (empty when there is none)."""
+    path = Path(__file__).resolve().parents[1] / ".ci" / "durations.txt"
+    found = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            parts = line.split(None, 1)
+            if len(parts) == 2 and not line.startswith("#"):
+                try:
+                    found[parts[1].strip()] = float(parts[0])
+                except ValueError:
+                    continue
+    return found
+
+
+def _order_by_cost(items, seconds: dict[str, float]) -> None:
+    """Modules in decreasing recorded cost, each module's tests kept together and in order: xdist's
+    ``--dist loadscope`` hands out whole modules in this order, so the longest start first and the
+    two workers finish together (module fixtures are still set up once per module)."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    cost = {m: sum(seconds.get(i.nodeid, 1.0) for i in group) for m, group in modules.items()}
+    items[:] = [i for m in sorted(modules, key=lambda m: -cost[m]) for i in modules[m]]
+
+
 def pytest_collection_modifyitems(config, items):
+    seconds = _recorded_durations()
+    for item in items:
+        if seconds.get(item.nodeid, 0.0) >= SLOW_SECONDS:
+            item.add_marker(pytest.mark.slow)
+    if seconds:
+        _order_by_cost(items, seconds)
     for item in items:
         for name in MARKERS:
             if item.get_closest_marker(name) is None and name not in item.fixturenames:

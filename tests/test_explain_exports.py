@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from explain_fixtures import MINILM, ablate_columns, explained_minilm, ort_run  # noqa: E402
 
 from attnx.contract import ModelInfo  # noqa: E402
-from attnx.export import export_encoder, export_variant  # noqa: E402
-from attnx.export.pretrained import export_pretrained  # noqa: E402
+from attnx.export import export_encoder  # noqa: E402
+from support.exports import pretrained  # noqa: E402
 from attnx.models.hooks import run_with_cache  # noqa: E402
 from attnx.models import VARIANTS, build_encoder  # noqa: E402
 from attnx.models.signature import example_tensor  # noqa: E402
@@ -41,10 +41,8 @@ def _feeds(model, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def variant_exports(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("attn-out")
-    return {v: export_variant(v, folder / f"{v}.onnx", overrides=SMALL, n_layers=2, attention_outputs="all",
-                              head_mask=True, seed=1) for v in VARIANTS}
+def variant_exports(exported):
+    return {v: exported(v, export={"attention_outputs": "all", "head_mask": True, "seed": 1}) for v in VARIANTS}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -119,7 +117,7 @@ def test_export_errors_are_one_line(tmp_path):
 
 
 def _bert_check(folder, hf, feeds, tmp_path, atol=1e-5):
-    result = export_pretrained(folder, tmp_path / "bert.onnx", attention_outputs="all", head_mask=True)
+    result = pretrained(folder, None, name="bert.onnx", attention_outputs="all", head_mask=True)
     n_layers, n_heads = hf.config.num_hidden_layers, hf.config.num_attention_heads
     head_dim = hf.config.hidden_size // n_heads
     real = feeds["attention_mask"].bool().numpy()
@@ -178,7 +176,7 @@ def test_small_bert_and_gpt2_folders_equal_transformers(tmp_path):
     mask[1, 6:] = 0
     _bert_check(bert_dir, bert, {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)},
                 tmp_path)
-    result = export_pretrained(gpt_dir, tmp_path / "gpt2.onnx", attention_outputs="all", head_mask=True)
+    result = pretrained(gpt_dir, None, name="gpt2.onnx", attention_outputs="all", head_mask=True)
     real = mask.bool().numpy()
     got = ort_run(result.path, {"input_ids": ids, "attention_mask": mask, "head_mask": torch.ones(2, 4)})
     with torch.no_grad():

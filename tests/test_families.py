@@ -67,18 +67,13 @@ def folders():
 
 
 @pytest.fixture(scope="module")
-def exports(folders, tmp_path_factory):
-    from attnx.export.pretrained import export_pretrained
+def exports(folders):
+    """``attnx export --from-pretrained`` of a family with a variant, from the shared export cache (keyed on
+    the exporter's sources: a changed exporter exports afresh; tests of the exporter's own behaviour are
+    in test_export*.py and test_cli_export.py)."""
+    from support.exports import pretrained
 
-    out = tmp_path_factory.mktemp("family-exports")
-    cache = {}
-
-    def get(name: str, variant: str):
-        if (name, variant) not in cache:
-            cache[name, variant] = export_pretrained(folders(name), out / f"{name}-{variant}.onnx", variant=variant)
-        return cache[name, variant]
-
-    return get
+    return lambda name, variant: pretrained(folders(name), variant, name=f"{name}-{variant}.onnx")
 
 
 def neutral_context(specs, batch: int) -> dict[str, np.ndarray]:

@@ -31,23 +31,25 @@ FAMILIES = ["qwen3", "modernbert"]
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("downstream")
-    return {name: hf_folders.make_folder(name, root) for name in FAMILIES}
+def folders():
+    from support.exports import hf_folder
+
+    return {name: hf_folder(name) for name in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("precision", ["fp16", "int8"])
 def test_fp16_and_int8_exports_pass_check_against_the_original(family, precision, folders, tmp_path):
-    from attnx.export.pretrained import export_pretrained
     from attnx.export.quantize import quantize_file
     from attnx.parity.check import run_check
+    from support.exports import linked_copy, pretrained
 
-    result = export_pretrained(folders[family], tmp_path / f"{family}.onnx", variant="cultural",
-                               fp16=precision == "fp16")
+    result = pretrained(folders[family], "cultural", fp16=precision == "fp16" or None)
+    path = linked_copy(result.path, tmp_path / "m")
     if precision == "int8":
-        quantize_file(result.path, result.path)
-    report = run_check(result.path, workdir=tmp_path)
+        path.unlink()  # a new file, not the cache's (the copy's files are links to it)
+        quantize_file(result.path, path)
+    report = run_check(path, workdir=tmp_path)
     assert report.precision == precision and report.passed, report.to_json()
     assert report.original["used"], report.original["note"]
 
@@ -56,12 +58,11 @@ def test_fp16_and_int8_exports_pass_check_against_the_original(family, precision
 def test_attention_outputs_and_head_mask_equal_transformers_and_the_reference(family, folders, tmp_path):
     import onnxruntime as ort
 
-    from attnx.export.pretrained import export_pretrained
     from attnx.pretrained.host import TASKS, positions_from_mask
+    from support.exports import pretrained
 
     folder = folders[family]
-    result = export_pretrained(folder, tmp_path / f"{family}-ao.onnx", variant="smal", attention_outputs="all",
-                               head_mask=True)
+    result = pretrained(folder, "smal", name=f"{family}-ao.onnx", attention_outputs="all", head_mask=True)
     host = result.model.model  # WithAttentionOutputs around the host
     n_layers, heads = len(host.blocks), host.n_heads
     g = np.random.default_rng(0)
@@ -103,7 +104,6 @@ def test_attention_outputs_and_head_mask_equal_transformers_and_the_reference(fa
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_explain_runs_on_the_folder_and_the_export_with_hook_names(family, folders, tmp_path):
-    from attnx.export.pretrained import export_pretrained
     from attnx.explain.explanation import explain
     from attnx.interp.patching import ablation_table
     from attnx.interp.source import open_source
@@ -117,7 +117,9 @@ def test_explain_runs_on_the_folder_and_the_export_with_hook_names(family, folde
     batch = torch_source.require_text().encode(texts)
     table = ablation_table(torch_source, batch, 1)  # ablation and activation patching (hook_embed, hook_z)
     assert sorted(table.ranking) == list(range(n_heads)) and table.patching
-    result = export_pretrained(folder, tmp_path / f"{family}-explain.onnx", attention_outputs="all", head_mask=True)
+    from support.exports import pretrained
+
+    result = pretrained(folder, None, name=f"{family}-explain.onnx", attention_outputs="all", head_mask=True)
     deployed = open_source(result.path)
     # A decoder's analysis counts only the keys causality allows (the chance level), read from the task;
     # byte-level BPE tokens (both folders' tokenizers) are shown decoded (" cat"), not as stored ("Ġcat").
@@ -138,9 +140,9 @@ def test_explain_runs_on_the_folder_and_the_export_with_hook_names(family, folde
 @pytest.mark.parametrize("family", FAMILIES)
 def test_triton_repository_of_a_family_export(family, folders, tmp_path):
     from attnx.deploy.repository import write_repository
-    from attnx.export.pretrained import export_pretrained
+    from support.exports import pretrained
 
-    result = export_pretrained(folders[family], tmp_path / f"{family}.onnx", variant="smal")
+    result = pretrained(folders[family], "smal")
     repo = write_repository(result.path, tmp_path / "repo", name=family, validate=True)
     assert repo.validated and repo.text is not None  # the tokenizer + model ensemble of a text model
     assert (repo.models[family] / "config.pbtxt").is_file()

@@ -11,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import finetune_variant  # noqa: E402
 
 
-@pytest.mark.slow
 def test_smal_trained_with_sentence_transformers_exports_the_trained_model(tmp_path):
     figures = finetune_variant.finetune("smal", steps=6, out=tmp_path, batch=16, log=lambda *_: None)
     gammas = [v for n, v in figures["moved"].items() if n.endswith("attnx.gamma")]
@@ -35,7 +33,6 @@ def test_smal_trained_with_sentence_transformers_exports_the_trained_model(tmp_p
     assert host.variant == "smal" and float(host.blocks[0].attn.gamma.detach().abs()) > 1e-4
 
 
-@pytest.mark.slow
 def test_maw_policy_is_trained_by_its_grpo_loss_and_inference_takes_the_argmax(tmp_path):
     figures = finetune_variant.finetune("maw", steps=4, out=tmp_path, batch=16, log=lambda *_: None)
     policy = [v for n, v in figures["moved"].items() if ".policy." in n]

@@ -1,7 +1,8 @@
 """The exporter's standard-ONNX fusions (:mod:`attnx.export.fuse`) and int8 smoothing
 (:func:`attnx.export.quantize.smooth`): each is exact, and each finds what it is for.
 
-Every variant is exported twice (fused, the default, and ``fuse=False``); both files run in ONNX
+Every variant is exported twice (fused, the default, and ``fuse=False``, from the export cache of
+tests/support, keyed on the exporter's sources); both files run in ONNX
 Runtime on the same padded inputs (one row all padding) and must agree to float rounding.
 """
 
@@ -15,7 +16,6 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
-from attnx.export.exporter import export_variant
 from attnx.export.fuse import attention_3d, pack_projections
 from attnx.models import VARIANTS
 
@@ -47,9 +47,9 @@ def _feeds(sess: ort.InferenceSession, batch: int = 3, seq: int = 11) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("lowering", ["plugin", "rewrite"])
-def test_fused_export_equals_unfused(variant, lowering, tmp_path):
-    fused = export_variant(variant, tmp_path / "fused.onnx", lowering=lowering, n_layers=LAYERS)
-    plain = export_variant(variant, tmp_path / "plain.onnx", lowering=lowering, n_layers=LAYERS, fuse=False)
+def test_fused_export_equals_unfused(variant, lowering, exported):
+    fused = exported(variant, lowering, n_layers=LAYERS)  # both from the export cache (keyed on fuse.py too)
+    plain = exported(variant, lowering, n_layers=LAYERS, export={"fuse": False})
     ops_f, ops_p = _ops(fused.path), _ops(plain.path)
     # Q, K and V read the same activation in every variant: one packed MatMul per layer at least
     assert ops_f["Split"] >= LAYERS, ops_f
@@ -65,8 +65,8 @@ def test_fused_export_equals_unfused(variant, lowering, tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=f"{variant}/{lowering} output {name}")
 
 
-def test_mha_fused_attention_has_no_head_transposes(tmp_path):
-    res = export_variant("mha", tmp_path / "m.onnx", n_layers=LAYERS)
+def test_mha_fused_attention_has_no_head_transposes(exported):
+    res = exported("mha", n_layers=LAYERS)
     model = onnx.load(str(res.path))
     attn = [n for n in model.graph.node if n.op_type == "Attention"]
     assert len(attn) == LAYERS

@@ -69,6 +69,18 @@ def build(model_type: str, root: Path) -> tuple[Path, str]:
     return folder, cls.__name__
 
 
+def cached_folder(model_type: str) -> tuple[Path, str]:
+    """:func:`build`'s folder from the shared test cache (keyed on the config and on this code)."""
+    import inspect
+    import json
+
+    from support import cache
+
+    folder = cache.entry(model_type, lambda out: build(model_type, out.parent), kind="holdout-folder",
+                         config={**BASE, **HOLDOUT[model_type][0]}, code=inspect.getsource(build))
+    return folder, json.loads((folder / "config.json").read_text())["architectures"][0]
+
+
 @pytest.fixture(scope="module")
 def results():
     found: dict[str, dict] = {}
@@ -80,13 +92,13 @@ def results():
 def test_holdout_family_exports_equal_transformers_eager(model_type, results, tmp_path):
     import onnxruntime as ort
 
-    from attnx.export.pretrained import export_pretrained
     from attnx.pretrained.host import TASKS, positions_from_mask
+    from support.exports import pretrained
 
-    folder, architecture = build(model_type, tmp_path)
+    folder, architecture = cached_folder(model_type)
     variant = HOLDOUT[model_type][1]
-    for name in ("mha", variant):
-        result = export_pretrained(folder, tmp_path / f"{model_type}-{name}.onnx", variant=name)
+    for name in ("mha", variant):  # the exports from the shared cache, keyed on the exporter's sources
+        result = pretrained(folder, name, name=f"{model_type}-{name}.onnx")
         host = result.model
         eager = getattr(transformers, TASKS[host.task]).from_pretrained(str(folder), attn_implementation="eager")
         sess = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])

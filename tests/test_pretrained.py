@@ -164,10 +164,13 @@ def test_export_matches_transformers_and_the_reference(variant, minilm_export, b
     if variant == "mha":
         return
     # trained (random) variant parameters: ONNX Runtime equals attnx's torch reference of the placed model
-    from attnx.export import export_encoder
+    # (saved as the variant checkpoint a user trains, exported with --checkpoint through the shared cache)
+    from support.exports import minilm
 
-    trained = export_encoder(randomize_variant(copy.deepcopy(result.model)), tmp_path / "trained.onnx", save_weights=False,
-                             profiles=info.profiles)
+    state = randomize_variant(copy.deepcopy(result.model)).state_dict()
+    ckpt = tmp_path / "variant.safetensors"
+    save_file({n: state[n].contiguous() for n in result.model.variant_parameter_names()}, str(ckpt))
+    trained = minilm(variant, checkpoint=ckpt)
     got = ort_run(trained.path, feeds)
     with torch.no_grad(), reference():
         ref = trained.model.forward_named(feeds)
@@ -198,10 +201,8 @@ def test_rewrite_lowering_of_a_placed_variant(minilm_export, batch, hf_bert):
 
 # ----------------------------------------------------------------------------- other folders
 
-@pytest.fixture(scope="module")
-def small_bert(tmp_path_factory):
+def _save_small_bert(out):
     """A BERT of another size (not a multiple-of-4 FFN, 3 token types), saved by transformers itself."""
-    folder = tmp_path_factory.mktemp("bert")
     cfg = transformers.BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
                                   intermediate_size=100, max_position_embeddings=40, type_vocab_size=3)
     torch.manual_seed(0)
@@ -209,12 +210,37 @@ def small_bert(tmp_path_factory):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_((1 + 0.2 * torch.randn_like(p)) if "LayerNorm.weight" in name else 0.3 * torch.randn_like(p))
-    model.save_pretrained(folder, safe_serialization=False)  # pytorch_model.bin: the .bin path is read safely
-    return folder, model
+    model.save_pretrained(out, safe_serialization=False)  # pytorch_model.bin: the .bin path is read safely
+
+
+def _save_small_gpt2(out):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=120, n_positions=32,
+                                  attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1 + 0.2 * torch.randn_like(p)) if "ln" in name and name.endswith("weight") else 0.3 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _cached_folder(save, cls):
+    """The folder ``save`` writes, from the shared test cache (keyed on its code), and the model in it."""
+    import inspect
+
+    from support import cache
+
+    folder = cache.entry(save.__name__, save, kind="folder", code=inspect.getsource(save))
+    return folder, cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def small_bert():
+    return _cached_folder(_save_small_bert, transformers.BertModel)
 
 
 @pytest.mark.parametrize("variant", ["mha", "smal", "cultural"])
-def test_bert_of_another_size(small_bert, variant, tmp_path):
+def test_bert_of_another_size(small_bert, variant, pretrained_export):
     folder, hf = small_bert
     ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 11, dtype=torch.long)
@@ -227,35 +253,26 @@ def test_bert_of_another_size(small_bert, variant, tmp_path):
     with torch.no_grad():
         got = host.forward_named(feeds)["last_hidden_state"]
     assert float((got - want)[mask.bool()].abs().max()) <= 1e-5
-    result = export_pretrained(folder, tmp_path / "bert.onnx", variant=variant)
+    result = pretrained_export(folder, variant)
     assert "sentence_embedding" not in result.info.output_names  # not a sentence-transformers folder
     onnx_out = ort_run(result.path, feeds)["last_hidden_state"]
     assert np.abs(onnx_out - want.numpy())[mask.bool().numpy()].max() <= 1e-4
 
 
 @pytest.fixture(scope="module")
-def small_gpt2(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gpt2")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=120, n_positions=32,
-                                  attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1 + 0.2 * torch.randn_like(p)) if "ln" in name and name.endswith("weight") else 0.3 * torch.randn_like(p))
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder, model
+def small_gpt2():
+    return _cached_folder(_save_small_gpt2, transformers.GPT2LMHeadModel)
 
 
 @pytest.mark.parametrize("variant", ["mha", "smal", "maw"])
-def test_gpt2_with_a_variant_exports_logits(small_gpt2, variant, tmp_path):
+def test_gpt2_with_a_variant_exports_logits(small_gpt2, variant, pretrained_export):
     folder, hf = small_gpt2
     ids = torch.randint(0, 120, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=mask).logits
-    result = export_pretrained(folder, tmp_path / "gpt2.onnx", variant=variant)
+    result = pretrained_export(folder, variant)
     assert result.info.output_names[0] == "logits" and result.info.profiles["seq"][2] == 32
     feeds = with_context(result.model, {"input_ids": ids, "attention_mask": mask})
     got = ort_run(result.path, feeds)["logits"]

@@ -47,15 +47,20 @@ def run(*args, cwd: str | os.PathLike | None = None, env: Mapping[str, str] | No
     from attnx.cli.main import app
 
     saved_env, saved_cwd, saved_verbose = dict(os.environ), os.getcwd(), _common.state.verbose
+    saved_widths = [c.width for c in (_common.console, _common.err_console)]
     environ = dict(env or {})
     try:
         os.chdir(cwd or saved_cwd)
+        # What a piped process gets (whatever COLUMNS the test run itself has): the consoles' pipe width.
+        columns = int(environ.get("COLUMNS", _common.PIPE_WIDTH))
+        _common.console.width = _common.err_console.width = columns
         result = CliRunner().invoke(app, [str(a) for a in args], env=environ, input=input, catch_exceptions=False)
     finally:
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
         _common.state.verbose = saved_verbose
+        _common.console.width, _common.err_console.width = saved_widths
     return Result(result.exit_code, result.stdout, result.stderr)
 
 

@@ -22,16 +22,19 @@ def cached(path: Path) -> cache.CachedExport:
     return _OBJECTS[path]
 
 
-def variant(name: str, lowering: str = "plugin", fp16: bool = False, n_layers: int = 2,
-            **overrides) -> cache.CachedExport:
-    """attnx's small encoder with variant ``name`` (``attnx export --variant``)."""
+def variant(name: str, lowering: str = "plugin", fp16: bool = False, n_layers: int = 2, *,
+            export: dict | None = None, **overrides) -> cache.CachedExport:
+    """attnx's small encoder with variant ``name`` (``attnx export --variant``); ``export``: more keyword
+    arguments of ``export_variant`` (``seed``, ``attention_outputs``, ``head_mask``, ``fuse``, ...)."""
     from attnx.export import export_variant
 
     opts = {**SMALL, **overrides}
+    more = dict(export or {})
     file = f"{name}-{lowering}-{'fp16' if fp16 else 'fp32'}.onnx"
     path = cache.entry(file, lambda out: export_variant(name, out, overrides=opts, n_layers=n_layers,
-                                                        lowering=lowering, fp16=fp16),
-                       kind="variant", variant=name, lowering=lowering, fp16=fp16, n_layers=n_layers, opts=opts)
+                                                        lowering=lowering, fp16=fp16, **more),
+                       kind="variant", variant=name, lowering=lowering, fp16=fp16, n_layers=n_layers, opts=opts,
+                       **({"export": more} if more else {}))
     return cached(path)
 
 
@@ -41,7 +44,7 @@ def pretrained(folder, variant: str | None = "mha", name: str | None = None, **k
     a folder of its own (onnxruntime-genai's layout)."""
     from attnx.export.pretrained import export_pretrained
 
-    folder = Path(folder)
+    folder = stable_folder(Path(folder))
     kw = {k: v for k, v in kw.items() if v is not None}
     if "checkpoint" in kw:  # keyed on its content, wherever it lies
         kw["checkpoint"] = Path(kw["checkpoint"])
@@ -49,6 +52,18 @@ def pretrained(folder, variant: str | None = "mha", name: str | None = None, **k
     path = cache.entry(name, lambda out: export_pretrained(folder, out, variant=variant, **kw),
                        kind="pretrained", folder=folder, variant=variant, options=kw)
     return cached(path)
+
+
+def stable_folder(folder: Path) -> Path:
+    """A folder a test made under its tmp path, copied into the cache (keyed on its content), so that a
+    cached export never names a source folder that a later run no longer has."""
+    import shutil
+    import tempfile
+
+    resolved = folder.resolve()
+    if Path(tempfile.gettempdir()).resolve() not in resolved.parents or cache.cache_root() in resolved.parents:
+        return folder
+    return cache.entry(folder.name, lambda out: shutil.copytree(resolved, out), kind="source", folder=resolved)
 
 
 def minilm(variant: str = "mha", **kw) -> cache.CachedExport:
