@@ -179,6 +179,26 @@ def test_check_compares_with_the_original(tmp_path):
     assert original and original[0]["max_abs"] < 1e-4
 
 
+def test_the_export_computes_the_last_positions_logits_only():
+    """A with-past export's ``logits`` are ``[batch, 1, vocab]``, at a prefill too (transformers'
+    ``logits_to_keep=1``: the LM head never runs on the whole prompt), and equal transformers' logits there."""
+    from attnx.runtime import load
+
+    source = gf.folder("llama")
+    session = load(gf.export(source, "mha"), device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
+    vocab = hf.config.vocab_size
+    assert session.output("logits").shape == ("batch", 1, vocab)
+    ids = prompts(vocab)[0]
+    decoder = Decoder(session)
+    feeds = decoder._feeds(decoder.start(ids[:1])[1], np.array([ids[1:]]), np.ones((1, len(ids) - 1), np.int64))
+    out = session.run(feeds, ["logits"])["logits"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1].numpy()
+    assert out.shape == (1, 1, vocab)
+    np.testing.assert_allclose(out[0, 0], want, atol=1e-4)
+
+
 def test_a_file_without_a_cache_does_not_generate(pretrained_export):
     from attnx.runtime import TextModel
 
