@@ -63,8 +63,7 @@ class CacheLayout:
         info, _ = source_info(session)
         cache = info.cache if info is not None else None
         if not cache:
-            raise NotAGenerator(f"{session.path.name} has no KV cache in its signature, so it cannot generate: "
-                                "export it with `attnx export --from-pretrained DIR --with-past`")
+            raise NotAGenerator(_why_not_a_generator(session, info))
         tensors = tuple(CacheTensor(e["input"], e["output"], e.get("axis")) for e in cache.get("entries", []))
         names = set(session.input_names)
         missing = [t.input for t in tensors if t.input not in names]
@@ -73,6 +72,19 @@ class CacheLayout:
                                 "which the file does not have (the metadata was changed; re-export it)")
         return cls(tensors, bool(cache.get("position_ids")), tuple(int(e) for e in cache.get("eos_token_id") or ()),
                    cache.get("bos_token_id"), int(cache.get("max_positions") or 0))
+
+
+def _why_not_a_generator(session: Session, info) -> str:
+    """One line for a file without a KV cache: a causal LM exported without it, or no language model at all."""
+    name = session.path.name
+    task = ((info.config or {}).get("task") if info is not None else None)
+    logits = next((s for s in session.outputs if s.name == "logits"), None)
+    if task == "causal-lm" or (task is None and logits is not None and logits.rank == 3):
+        return (f"{name} has no KV cache in its signature, so it cannot generate: export it with `attnx export "
+                "--from-pretrained DIR --with-past`")
+    what = f"a {task} model" if task else "not a causal language model"
+    return (f"{name} is {what} (outputs: {', '.join(session.output_names)}), so it cannot generate text: "
+            "`attnx generate` runs a causal language model (a ...ForCausalLM folder, or its with-past export)")
 
 
 #: ONNX Runtime settings for a with-past export (``attnx.runtime.load`` applies them; a caller's options win).
