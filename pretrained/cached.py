@@ -14,8 +14,9 @@ Inputs (the names Optimum and onnxruntime-genai use): ``input_ids [batch, seq]``
 ``logits [batch, 1, vocab]`` (the last new position's only: all that generating needs, so a prefill never
 runs the LM head on the whole prompt, transformers' ``logits_to_keep=1``; onnxruntime-genai takes such
 logits), ``present.{i}.*`` (past + new, the same layout) and the variants' extra outputs. Layers appended
-after the last one (maw's own form) cache their own k/v as layers ``n_layers ...``. ``past`` may be 0 on ONNX Runtime; attnx's own generation keeps one masked slot
-(``attention_mask`` 0 there) so no tensor is ever empty, which TensorRT profiles need.
+after the last one (maw's own form) cache their own k/v as layers ``n_layers ...``. ``past`` may be 0 on ONNX
+Runtime; attnx's own generation keeps one masked slot (``attention_mask`` 0 there) so no tensor is ever empty,
+which TensorRT profiles need.
 
 transformers' own attention modules update the cache (a :class:`PastCache` over the given tensors:
 full-length layers, sliding windows are applied by the mask) and call attnx's attention backend on

@@ -161,7 +161,8 @@ def test_presence_and_frequency_penalties_follow_openais_definition(client, hf):
     want = by_hand(presence, frequency)
     assert want != by_hand(0.0, 0.0)  # the penalties change this generation
     got = client.completions.create(model="llm", prompt=PROMPT, max_tokens=n, temperature=0, logprobs=0,
-                                    presence_penalty=presence, frequency_penalty=frequency, extra_body={"ignore_eos": True})
+                                    presence_penalty=presence, frequency_penalty=frequency,
+                                    extra_body={"ignore_eos": True})
     assert got.choices[0].logprobs.tokens == [tok.decode([t]) for t in want]
     # the logprobs stay the model's own: those of the tokens chosen under the penalties
     raw = _log_softmax(_logits(model, prompt + want)[len(prompt) - 1:-1])
