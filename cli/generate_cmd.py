@@ -29,9 +29,13 @@ def model_file(model: Path, variant: Optional[str], lowering: str) -> Path:
             raise UserError("--variant places a variant in a Hugging Face folder; this is an export already")
         return find_model_file(model)
     from attnx.export.pretrained import default_name, export_pretrained
-    from attnx.pretrained import read_folder
+    from attnx.pretrained import read_folder, task_of
 
     folder = read_folder(model)
+    if task_of(folder.architectures) != "causal-lm":  # said before any export starts
+        arch = ", ".join(folder.architectures) or f"a {folder.model_type} model without 'architectures' in config.json"
+        raise UserError(f"{model} holds {arch}, not a causal language model, so it cannot generate text: "
+                        "`attnx generate` needs a decoder (config.json's architectures ending in ForCausalLM)")
     name = variant or (folder.placement or {}).get("variant") or "mha"
     target = workdir() / f"{default_name(folder, name, lowering)}-with-past" / "model.onnx"
     newest = max((w.stat().st_mtime for w in folder.weights), default=0.0)
