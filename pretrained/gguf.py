@@ -108,6 +108,17 @@ def _dequantize(gguf: Path, out: Path) -> None:
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the loader logs every metadata key it does not map
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    import gguf as gguf_package
+
+    bar, reader_class = loader.tqdm, gguf_package.GGUFReader
+    loader.tqdm = lambda it, **kw: it  # its own progress bar per tensor: attnx's CLI shows its own progress
+    readers: dict = {}
+    # config, weights and tokenizer each parse the whole metadata again (~100k tokenizer strings, seconds each):
+    # one read-only reader (a memory map) serves the three
+    gguf_package.GGUFReader = lambda path, *a, **kw: readers.get(str(path)) or readers.setdefault(
+        str(path), reader_class(path, *a, **kw))
     try:
         try:
             config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -129,6 +140,7 @@ def _dequantize(gguf: Path, out: Path) -> None:
             raise ValueError(f"{gguf}: transformers cannot load its weights or tokenizer ({_one_line(e)})") from None
     finally:
         quiet.setLevel(level)
+        loader.tqdm, gguf_package.GGUFReader = bar, reader_class
     config = loaded.config
     config.architectures = [cls.__name__]
     if hasattr(config, "quantization_config"):
