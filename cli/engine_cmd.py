@@ -151,6 +151,18 @@ def _explain_fp16_clip_warnings(onnx_path: Path) -> None:
                           highlight=False)
 
 
+def report_name(model: Path) -> str:
+    """The default report's name: the file's stem, or for a file named after its folder's role (every with-past
+    export is ``<folder>/model.onnx``, as onnxruntime-genai expects) the folder's name and a digest of its path, so
+    two exports never share a report."""
+    if model.stem != "model" and not (model.parent / "genai_config.json").is_file():
+        return model.stem
+    import hashlib
+
+    digest = hashlib.sha256(str(model.resolve().parent).encode()).hexdigest()[:8]
+    return f"{model.parent.name}-{model.stem}-{digest}"
+
+
 def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Optional[Path], cases: list[str],
               no_engine: bool = False, wd: Optional[Path] = None, quiet: bool = False,
               texts: Optional[list[str]] = None, original: Optional[Path] = None):
@@ -174,7 +186,7 @@ def check_cmd(model: Optional[Path], engine: Optional[Path], report_path: Option
             report = parity.run_check(model, engine=engine, workdir=wd, case_specs=cases or None,
                                       verbose=state.verbose, progress=steps, texts=texts or None, original=original)
     if report_path is None:
-        report_path = wd / "parity" / f"{model.stem}.parity.json"
+        report_path = wd / "parity" / f"{report_name(model)}.parity.json"
     report.write(report_path)
     if not quiet:
         from attnx.parity.render import render
@@ -219,7 +231,8 @@ def register(app: typer.Typer) -> None:
         engine: Optional[Path] = typer.Option(None, "--engine", help="Engine to include (default: <model>.engine "
                                               "when it was built from this file)."),
         report: Optional[Path] = typer.Option(None, "--report", help="JSON report path (default: "
-                                              "<workdir>/parity/<model>.parity.json)."),
+                                              "<workdir>/parity/<model>.parity.json; a with-past export's "
+                                              "<folder>-model-<digest>.parity.json)."),
         cases: List[str] = typer.Option([], "--case", help="Input case BATCHxSEQ (repeatable; default: several "
                                         "inside the profiles)."),
         no_engine: bool = typer.Option(False, "--no-engine", help="Do not look for an engine."),

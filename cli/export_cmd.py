@@ -222,10 +222,10 @@ def register(app: typer.Typer) -> None:
                                         fuse=not no_fuse)
             if int8:
                 from attnx.contract import ModelInfo
-                from attnx.export.quantize import quantize_file
+                from attnx.export.quantize import quantize_export
 
                 progress.update(task, description=f"export {label}: int8")
-                quantize_file(result.path, result.path, weight_bits=int8_weight_bits or 7)
+                quantize_export(result.path, weight_bits=int8_weight_bits or 7)  # removes the file if it fails
                 result.info = ModelInfo.read(result.path)  # precision and how it was quantized
             progress.update(task, description=f"export {label}: done", completed=len(STEPS))
         info = result.info

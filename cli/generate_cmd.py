@@ -13,7 +13,11 @@ from attnx.cli._common import UserError, err_console, guarded, workdir
 
 
 def _is_hf_folder(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.onnx"))
+    from attnx.pretrained.gguf import gguf_source
+
+    if path.is_dir() and any(path.glob("*.onnx")):
+        return False
+    return (path.is_dir() and (path / "config.json").is_file()) or gguf_source(path) is not None
 
 
 def model_file(model: Path, variant: Optional[str], lowering: str) -> Path:
@@ -29,9 +33,13 @@ def model_file(model: Path, variant: Optional[str], lowering: str) -> Path:
             raise UserError("--variant places a variant in a Hugging Face folder; this is an export already")
         return find_model_file(model)
     from attnx.export.pretrained import default_name, export_pretrained
-    from attnx.pretrained import read_folder
+    from attnx.pretrained import read_folder, task_of
 
     folder = read_folder(model)
+    if task_of(folder.architectures) != "causal-lm":  # said before any export starts
+        arch = ", ".join(folder.architectures) or f"a {folder.model_type} model without 'architectures' in config.json"
+        raise UserError(f"{model} holds {arch}, not a causal language model, so it cannot generate text: "
+                        "`attnx generate` needs a decoder (config.json's architectures ending in ForCausalLM)")
     name = variant or (folder.placement or {}).get("variant") or "mha"
     target = workdir() / f"{default_name(folder, name, lowering)}-with-past" / "model.onnx"
     newest = max((w.stat().st_mtime for w in folder.weights), default=0.0)
@@ -61,7 +69,7 @@ def register(app: typer.Typer) -> None:
     @guarded
     def generate(
         model: Path = typer.Argument(..., help="A with-past export (.onnx, or its folder), its engine, or a Hugging "
-                                               "Face folder (exported with its KV cache on first use)."),
+                                               "Face folder or GGUF file (exported with its KV cache on first use)."),
         prompt: str = typer.Argument(..., help="The text to continue."),
         max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Most tokens to generate."),
         temperature: Optional[float] = typer.Option(None, "--temperature", help="Sample at this temperature "

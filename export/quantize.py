@@ -319,6 +319,9 @@ def calibration_feeds(path, info) -> list[dict]:
         return feeds
     feeds = []
     for enc in ExportTokenizer(path, info).encode(CALIBRATION):
+        if info.cache:  # a decoder with its KV cache: the prefill a generation starts with
+            feeds.append(prefill_feed(specs, enc.ids))
+            continue
         feed = synthetic_feeds(specs, 1, len(enc.ids), rng)
         text = {Role.INPUT_IDS: enc.ids, Role.TOKEN_TYPE_IDS: enc.type_ids}
         for spec in specs:
@@ -326,6 +329,30 @@ def calibration_feeds(path, info) -> list[dict]:
                 feed[spec.name] = np.asarray([text[spec.role]], dtype=spec.dtype)
         feeds.append(feed)
     return feeds
+
+
+def prefill_feed(specs, ids) -> dict:
+    """A with-past file's first step on ``ids`` (batch 1), as attnx's decoder feeds it: every cached tensor one
+    masked slot of zeros (the ``past`` axis 1, other dynamic axes 1), the mask ``[0, 1 * len]`` over slot and
+    tokens, positions ``0 .. len-1``. (Unnamed dynamic axes at 1 and a mask as long as the ids, which
+    :func:`attnx.feeds.synthetic_feeds` gives, is a past of 1 with a mask that does not cover it: ONNX Runtime
+    fails inside the attention's gather.)"""
+    from attnx.contract import BATCH, SEQ, Role
+
+    n = len(ids)
+    feed = {}
+    for spec in specs:
+        dtype = np.dtype(spec.dtype)
+        if spec.role == Role.INPUT_IDS:
+            feed[spec.name] = np.asarray([ids], dtype=dtype)
+        elif spec.role == Role.ATTENTION_MASK:
+            feed[spec.name] = np.asarray([[0] + [1] * n], dtype=dtype)
+        elif spec.role == Role.POSITION_IDS:
+            feed[spec.name] = np.arange(n, dtype=dtype).reshape(1, n)
+        else:
+            shape = [1 if d == BATCH else n if d == SEQ else d if isinstance(d, int) else 1 for d in spec.shape]
+            feed[spec.name] = (np.ones if spec.default == "ones" else np.zeros)(shape, dtype=dtype)  # cache: zeros
+    return feed
 
 
 def quantize_file(src, dst, smoothing: bool = True, weight_bits: int = 7) -> int:
@@ -360,3 +387,22 @@ def quantize_file(src, dst, smoothing: bool = True, weight_bits: int = 7) -> int
     onnx.checker.check_model(out)
     save_model(out, Path(dst))
     return count
+
+
+def quantize_export(path, weight_bits: int = 7) -> int:
+    """:func:`quantize_file` in place on a fresh fp32 export (``attnx export --int8``), which is already under the
+    int8 name: if quantizing fails or is interrupted, that file (and its ``.data``) is removed, so no fp32 model
+    is ever left under the int8 name."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        return quantize_file(path, path, weight_bits=weight_bits)
+    except BaseException as e:
+        for f in (path, path.with_name(path.name + ".data")):
+            f.unlink(missing_ok=True)
+        if not isinstance(e, Exception):
+            raise
+        msg = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"{path}: int8 quantization failed ({type(e).__name__}: {msg}); the fp32 export written "
+                         "under that name was removed") from None

@@ -195,8 +195,9 @@ def run_generation_check(model_path: Path, model, info: ModelInfo, *, engine=Non
         worst, ok = max((_close(g, r, bounds) for g, r in zip(got_steps, ref_steps)), key=lambda x: (not x[1], x[0]))
         comparisons.append({"runner": name, "reference": "torch", "output": "logits", "max_abs": worst, "passed": ok})
         worst_c, ok_c = 0.0, True
-        for key, ref_arr in ref_state.cache.items():
-            m, good = _close(got_state.cache[key], ref_arr, bounds)
+        got_cache = got_state.host_cache()
+        for key, ref_arr in ref_state.host_cache().items():
+            m, good = _close(got_cache[key], ref_arr, bounds)
             worst_c, ok_c = max(worst_c, m), ok_c and good
         comparisons.append({"runner": name, "reference": "torch", "output": "present.*", "max_abs": worst_c,
                             "passed": ok_c})

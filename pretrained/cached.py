@@ -11,10 +11,12 @@ Inputs (the names Optimum and onnxruntime-genai use): ``input_ids [batch, seq]``
 ``position_ids [batch, seq]`` (where the family takes positions), ``past_key_values.{i}.key|value
 [batch, kv_heads, past, head_dim]`` for each layer, then each variant's cached state
 (``past_key_values.{i}.<name>``, :mod:`attnx.models.cache`), then the context inputs. Outputs:
-``logits [batch, seq, vocab]``, ``present.{i}.*`` (past + new, the same layout) and the variants' extra
-outputs. Layers appended after the last one (maw's own form) cache their own k/v as layers
-``n_layers ...``. ``past`` may be 0 on ONNX Runtime; attnx's own generation keeps one masked slot
-(``attention_mask`` 0 there) so no tensor is ever empty, which TensorRT profiles need.
+``logits [batch, 1, vocab]`` (the last new position's only: all that generating needs, so a prefill never
+runs the LM head on the whole prompt, transformers' ``logits_to_keep=1``; onnxruntime-genai takes such
+logits), ``present.{i}.*`` (past + new, the same layout) and the variants' extra outputs. Layers appended
+after the last one (maw's own form) cache their own k/v as layers ``n_layers ...``. ``past`` may be 0 on ONNX
+Runtime; attnx's own generation keeps one masked slot (``attention_mask`` 0 there) so no tensor is ever empty,
+which TensorRT profiles need.
 
 transformers' own attention modules update the cache (a :class:`PastCache` over the given tensors:
 full-length layers, sliding windows are applied by the mask) and call attnx's attention backend on
@@ -24,6 +26,7 @@ through the forward (``mask.cache``) and runs appended layers on their cache.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -146,8 +149,8 @@ class CachedHost(Host):
         return specs + [past for past, _, _ in self.cache_specs()]
 
     def base_output_specs(self) -> list[OutputSpec]:
-        return [OutputSpec("logits", (BATCH, SEQ, self.vocab_size), "float", Role.OUTPUT,
-                           "next-token logits at every new position")] + [p for _, p, _ in self.cache_specs()]
+        return [OutputSpec("logits", (BATCH, 1, self.vocab_size), "float", Role.OUTPUT,
+                           "next-token logits at the last new position")] + [p for _, p, _ in self.cache_specs()]
 
     def empty_cache(self, batch: int, slots: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """The past before any token: ``slots`` zero positions per layer (masked out by the caller)."""
@@ -206,10 +209,12 @@ class CachedHost(Host):
             positions = inputs.get("position_ids")
             kwargs["position_ids"] = positions if positions is not None else \
                 positions_from_mask(mask)[:, mask.shape[1] - ids.shape[1]:]
+        if "logits_to_keep" in inspect.signature(self.hf.forward).parameters:
+            kwargs["logits_to_keep"] = 1  # the LM head on the last position only
         state = CachedState(states)
         with backend.calling(backend.Call(context=context, tokens=mask, cache=state)):
             result = self.hf(**kwargs)
-        out = {"logits": result.logits}
+        out = {"logits": result.logits[:, -1:]}
         for i, layer in enumerate(cache.layers[:host_layers]):
             out[f"present.{i}.key"], out[f"present.{i}.value"] = layer.keys, layer.values
         for _, present, _ in specs:

@@ -3,6 +3,7 @@ reads nothing outside itself).
 
 What a folder may hold, and what attnx reads of it:
 
+- a ``.gguf`` file instead (or a folder holding one): dequantized into a folder first, :mod:`attnx.pretrained.gguf`;
 - ``config.json``: its numbers are checked against sane limits first (one line each, before
   anything is built), then read through ``transformers.AutoConfig`` (``local_files_only``, never
   remote code: an ``auto_map`` is ignored, and :attr:`HFFolder.notes` says so);
@@ -113,8 +114,12 @@ class HFFolder:
 
 
 def read_folder(path: str | os.PathLike) -> HFFolder:
-    """Read and check ``path`` (see the module doc); nothing is built or loaded yet."""
-    folder = Path(path).expanduser()
+    """Read and check ``path`` (see the module doc); nothing is built or loaded yet. A ``.gguf`` file (or a
+    folder holding one) is read as its dequantized folder (:mod:`attnx.pretrained.gguf`)."""
+    from attnx.pretrained.gguf import as_folder, gguf_source
+
+    gguf = gguf_source(path)
+    folder = as_folder(gguf) if gguf is not None else Path(path).expanduser()
     if not folder.is_dir():
         raise FileNotFoundError(f"no model folder at {folder}")
     config_path = folder / "config.json"

@@ -9,6 +9,7 @@ import json
 import pytest
 
 import generation_fixtures as gf
+from support import exports
 from support.cli import run as attnx
 
 PROMPT = "the cat sat on the mat"
@@ -72,6 +73,34 @@ def test_a_full_sequence_export_cannot_generate(tmp_path):
     proc = attnx("export", "--from-pretrained", str(gf.folder("bert")), "--with-past", "-o",
                  str(tmp_path / "b" / "model.onnx"))
     assert proc.returncode != 0 and "causal LM" in proc.stderr
+
+
+def test_an_encoder_is_not_offered_a_with_past_export(tmp_path, pretrained_export):
+    """An encoder export or folder gets one line saying it cannot generate, before any export starts; a causal LM
+    exported without its cache is still told to re-export it with --with-past (test_a_full_sequence_export...)."""
+    encoder = pretrained_export(gf.folder("bert"), "mha").path
+    proc = attnx("generate", str(encoder), PROMPT, cwd=tmp_path)
+    assert proc.returncode != 0 and "cannot generate text" in proc.stderr and "feature-extraction" in proc.stderr
+    assert "--with-past" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = attnx("generate", str(gf.folder("bert")), PROMPT, cwd=tmp_path)
+    assert proc.returncode != 0 and "not a causal language model" in proc.stderr and "BertModel" in proc.stderr
+    assert "exporting" not in proc.stderr and "--task" not in proc.stderr and not (tmp_path / "attnx-out").exists()
+
+
+def test_two_with_past_exports_get_two_parity_reports(tmp_path):
+    """Every with-past export is <folder>/model.onnx: `attnx check` names each report after its folder."""
+    from attnx.cli.engine_cmd import report_name
+
+    source = gf.export(gf.folder("llama"), "mha")
+    paths = [exports.linked_copy(source, tmp_path / name / "llama-with-past") for name in ("a", "b")]
+    names = {report_name(p) for p in paths}
+    assert len(names) == 2 and all(n.startswith("llama-with-past-model-") for n in names)
+    proc = attnx("check", str(paths[0]), "--no-engine", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = list((tmp_path / "attnx-out" / "parity").glob("*.parity.json"))
+    assert [w.name for w in written] == [f"{report_name(paths[0])}.parity.json"]
+    assert json.loads(written[0].read_text())["kind"] == "generation"
+    assert report_name(tmp_path / "x" / "smal-plugin.onnx") == "smal-plugin"  # other exports keep their stem
 
 
 @pytest.mark.rtx

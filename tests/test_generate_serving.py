@@ -11,7 +11,6 @@ parameters are one-line 400s and the server keeps serving.
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
@@ -132,7 +131,7 @@ def test_context_inputs_of_a_placed_variant(client, local):
 
 
 @pytest.mark.parametrize("body,param", [({"max_tokens": -1}, "max_tokens"), ({"top_p": 1.5}, "top_p"),
-                                        ({"temperature": -1}, "temperature"), ({"logprobs": 2}, "logprobs"),
+                                        ({"temperature": -1}, "temperature"), ({"logprobs": 21}, "logprobs"),
                                         ({"prompt": "the " * 80}, "prompt"), ({"n": 50}, "n"),
                                         ({"stop": 3}, "stop"), ({"context": {"nope": [1]}}, "context")])
 def test_bad_parameters_are_one_line_400s(http, body, param):
@@ -179,7 +178,7 @@ def test_concurrent_streams_share_steps_and_keep_their_tokens(server, client, lo
 def test_a_client_that_disconnects_frees_its_row(server):
     scheduler = server.generators["llm"].scheduler
     with httpx.Client(base_url=server.url, timeout=30) as c:
-        with c.stream("POST", "/v1/completions", json={"model": "llm", "prompt": PROMPT, "max_tokens": 60,
+        with c.stream("POST", "/v1/completions", json={"model": "llm", "prompt": PROMPT, "max_tokens": 50,
                                                         "temperature": 0, "stream": True,
                                                         "ignore_eos": True}) as r:
             lines = r.iter_lines()
@@ -189,7 +188,7 @@ def test_a_client_that_disconnects_frees_its_row(server):
     while scheduler.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler.running == 0
-    assert scheduler.stats.tokens - tokens_before < 55  # it stopped well before its 60 tokens
+    assert scheduler.stats.tokens - tokens_before < 45  # it stopped well before its 50 tokens (64 positions)
 
 
 # --- issue 32: one registry, typed requests, sampling that cannot poison a step ----------------------------
@@ -218,7 +217,8 @@ def test_decoders_are_served_models_on_every_kserve_route(server, http):
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 10**400), ("n", 10**400), ("seed", 10**400),
                                           ("top_k", 10**400), ("temperature", 10**400), ("temperature", "1"),
-                                          ("repetition_penalty", 1e-40), ("max_tokens", 2.0), ("top_p", 0)])
+                                          ("repetition_penalty", 1e-40), ("max_tokens", 2.0), ("top_p", 0),
+                                          ("presence_penalty", 2.5), ("frequency_penalty", -3)])
 def test_out_of_range_sampling_fields_are_400_naming_the_field(http, field, value):
     """Integers past float range were 500 OverflowError; a 1e-40 repetition penalty poisoned the step."""
     literal = json.dumps(value) if isinstance(value, str) else str(value)
@@ -325,14 +325,15 @@ HOSTILE = ("{%- set m = messages[-1]['content'] %}"
            "<assistant>{%- endif %}")
 
 
+def _hostile_template(folder):
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": HOSTILE}))
+
+
 @pytest.fixture(scope="module")
-def hostile(root):
-    folder = root / "folders" / "llama-hostile"
-    if not (folder / "config.json").is_file():
-        shutil.copytree(gf.folder(root, "llama"), folder)
-        cfg = json.loads((folder / "tokenizer_config.json").read_text())
-        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": HOSTILE}))
-    with running_server({"h": gf.export(root, folder, "mha")}) as s:
+def hostile():
+    folder = gf.exports.hf_folder("llama", edit=_hostile_template, tag="hostile-template")
+    with running_server({"h": gf.export(folder, "mha")}) as s:
         yield s
 
 

@@ -179,6 +179,68 @@ def test_check_compares_with_the_original(tmp_path):
     assert original and original[0]["max_abs"] < 1e-4
 
 
+def test_the_export_computes_the_last_positions_logits_only():
+    """A with-past export's ``logits`` are ``[batch, 1, vocab]``, at a prefill too (transformers'
+    ``logits_to_keep=1``: the LM head never runs on the whole prompt), and equal transformers' logits there."""
+    from attnx.runtime import load
+
+    source = gf.folder("llama")
+    session = load(gf.export(source, "mha"), device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
+    vocab = hf.config.vocab_size
+    assert session.output("logits").shape == ("batch", 1, vocab)
+    ids = prompts(vocab)[0]
+    decoder = Decoder(session)
+    feeds = decoder._feeds(decoder.start(ids[:1])[1], np.array([ids[1:]]), np.ones((1, len(ids) - 1), np.int64))
+    out = session.run(feeds, ["logits"])["logits"]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1].numpy()
+    assert out.shape == (1, 1, vocab)
+    np.testing.assert_allclose(out[0, 0], want, atol=1e-4)
+
+
+def test_decode_steps_hand_the_cache_back_without_a_copy():
+    """Every step's ``present.*`` go back as the next step's ``past_key_values.*`` at the same address, and those
+    arrays are ONNX Runtime's own output buffers (numpy wraps them: no copy on the way out either). The IOBinding
+    path a GPU session takes (run here on the CPU) gives the same logits, its cache kept as ``OrtValue`` s."""
+    import onnxruntime as ort
+
+    from attnx.runtime import load
+
+    session = load(gf.export(gf.folder("llama"), "mha"), device="cpu")
+    calls, run = [], session._run
+
+    def spy(feeds, names):
+        out = run(feeds, names)
+        calls.append(({k: v.ctypes.data for k, v in feeds.items()}, out))
+        return out
+
+    session._run = spy
+    plain, bound = Decoder(session), Decoder(session, bind=True)
+    assert not plain.session.on_device and plain._keeping is None
+    batch = prompts(plain.vocab_size)
+    got = {}
+    for name, decoder in (("plain", plain), ("bound", bound)):
+        firsts, states = zip(*(decoder.start(p) for p in batch))
+        state, rows = decoder.merge(states), [np.stack(firsts)]
+        for step in range(4):
+            logits, state = decoder.step(state, [7 + step, 9])
+            rows.append(logits)
+        logits, state = decoder.step(decoder.select(state, [1]), [3])  # a row leaves: the cache comes to the host
+        got[name] = rows + [logits]
+        kinds = {type(v) for v in state.cache.values()}
+        assert kinds == ({np.ndarray} if name == "plain" else {ort.OrtValue}), name
+    for a, b in zip(got["plain"], got["bound"]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    pairs = [(t.output, t.input) for t in plain.layout.tensors]
+    steps = calls[len(batch):len(batch) + 4]  # the plain decoder's steps after the merge (IOBinding bypasses _run)
+    assert len(steps) == 4
+    for (_, before), (feeds, _) in zip(steps, steps[1:]):
+        for present, past in pairs:
+            assert feeds[past] == before[present].ctypes.data, past
+            assert not before[present].flags.owndata  # ONNX Runtime's buffer, not a copy of it
+
+
 def test_a_file_without_a_cache_does_not_generate(pretrained_export):
     from attnx.runtime import TextModel
 

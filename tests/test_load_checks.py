@@ -137,3 +137,35 @@ def test_a_foreign_tokenizer_without_a_limit_is_cut_at_the_models_positions(mini
     model = TextModel(minilm, tokenizer=folder)
     assert model.max_seq_length == 512
     assert model.tokenize(["word " * 2000])[0].shape == (512,)
+
+
+def test_the_graph_outline_reads_what_onnx_load_reads(minilm, tmp_path):
+    """The id-range check reads the graph from the protobuf wire format without the weights (a with-past
+    export's 650 MB are never loaded twice): every initializer's first dim and every Gather's inputs and axis,
+    as ``onnx.load`` gives them, on the real MiniLM export and on a graph with a negative axis, a node and weights
+    longer than one read."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from attnx.runtime.core.onnx_outline import graph_outline
+
+    def with_onnx(path):
+        model = onnx.load(path)
+        tables = {i.name: int(i.dims[0]) for i in model.graph.initializer if len(i.dims) >= 1}
+        gathers = [(n.input[0], n.input[1], next((a.i for a in n.attribute if a.name == "axis"), 0))
+                   for n in model.graph.node if n.op_type == "Gather" and len(n.input) == 2]
+        return tables, gathers
+
+    table = numpy_helper.from_array(np.zeros((70000, 3), np.float32), "table")  # raw_data past one read
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["a"], axis=-1, name="g" * 70000),
+         helper.make_node("Gather", ["table", "ids"], ["b"]), helper.make_node("Identity", ["a"], ["c"])],
+        "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "bc"],
+        [table, numpy_helper.from_array(np.float32(2.0), "scalar")])
+    small = tmp_path / "g.onnx"
+    onnx.save(helper.make_model(graph), small)
+    for path in (small, minilm):
+        tables, gathers = graph_outline(path)
+        assert (tables, gathers) == with_onnx(path)
+    assert graph_outline(small)[1][0] == ("table", "ids", -1) and graph_outline(small)[0]["table"] == 70000

@@ -5,14 +5,20 @@ For the unmodified ``openai`` client (:class:`~attnx.runtime.apis.requests.Compl
 ``tools`` (rendered by the model's chat template as transformers renders it: :mod:`attnx.runtime.core.chat`),
 OpenAI's sampling fields and defaults (``max_tokens`` 16 for completions, the model's positions for chat;
 ``temperature`` 1; 0 is greedy), ``n``, ``stop``, ``seed``, ``echo``, ``stream`` with
-``stream_options.include_usage``; ``logprobs`` and presence/frequency penalties are refused, not ignored.
-attnx's ``top_k``, ``repetition_penalty``, ``ignore_eos`` and ``context`` go in ``extra_body``. Streams are
-server-sent events ending with ``data: [DONE]``; every choice joins the model's step-level batch on its own.
+``stream_options.include_usage``, ``presence_penalty`` / ``frequency_penalty``, ``logprobs`` (completions: the
+number of alternatives; chat: ``logprobs`` + ``top_logprobs``; the model's own log-softmax, before penalties and
+temperature, as vLLM reports by default), ``response_format`` (``json_object``, ``json_schema``: constrained
+decoding, :mod:`attnx.runtime.core.guided`), ``tools`` with ``tool_choice`` (calls read back in the template's form,
+:mod:`attnx.runtime.core.tools`; ``required`` or a named function: the call's grammar). ``max_tokens`` past the
+positions left after the prompt is a 400, as vLLM answers. attnx's ``top_k``, ``repetition_penalty``,
+``ignore_eos`` and ``context`` go in ``extra_body``. Streams are server-sent events ending with ``data: [DONE]``;
+every choice joins the model's step-level batch on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -21,11 +27,13 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
-from attnx.runtime.apis.generation import GenerationModel, check_choices, complete, pieces, sampling
+from attnx.runtime.apis.generation import (GenerationModel, check_choices, check_room, complete, pieces,
+                                           response_grammar, sampling)
 from attnx.runtime.apis.registry import GENERATE
 from attnx.runtime.apis.requests import ChatRequest, CompletionRequest, items, openapi_body, parse
 from attnx.runtime.wire.envelope import Call
-from attnx.runtime.wire.errors import OPENAI_SHAPE, ProtocolError
+from attnx.runtime.core import tools
+from attnx.runtime.wire.errors import OPENAI_SHAPE, ProtocolError, bad_input
 from attnx.runtime.wire.http import Serving, serving
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -54,21 +62,27 @@ async def _serve(request: Request, kind: type) -> Response:
 
 
 async def _answer(s: Serving, request: Request, model: GenerationModel, body) -> Response:
-    chat, workers = isinstance(body, ChatRequest), s.envelope.workers
+    chat, workers, form, grammar = isinstance(body, ChatRequest), s.envelope.workers, None, response_grammar(body)
     if chat:
         messages = [m.model_dump(exclude_none=False) for m in body.messages]
+        if body.tools:
+            form, grammar = _tool_form(model, body, grammar)
         text = await model.render(s.chat, messages, body.tools, workers)
         prompts = [await model.prompt_ids(text, workers, "messages", special=False)]
         max_key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens or body.max_tokens or model.decoder.max_positions or 4096
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
     else:
         prompts = [await model.prompt_ids(p, workers) for p in items(body.prompt)]
-        max_key, max_tokens = "max_tokens", body.max_tokens or model.decoder.max_positions or 4096
+        max_key, max_tokens, top = "max_tokens", body.max_tokens, body.logprobs
+    check_room(model, max(map(len, prompts)), body, max_key)
     check_choices(model, body.n * len(prompts))
-    base = sampling(body, max_tokens, names={"max_new_tokens": max_key})
+    base = sampling(body, max_tokens or model.decoder.max_positions or 4096, names={"max_new_tokens": max_key},
+                    logprobs=top)
     # each prompt's n choices together, in OpenAI's order; a seed gives choice j the seed + j
     choices = [(ids, base if body.seed is None or j == 0 else base.with_(seed=body.seed + j))
                for ids in prompts for j in range(body.n)]
+    guides = await model.guides(grammar, len(choices), workers, "response_format" if body.response_format else "tools")
     context = model.context(body.context)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -76,16 +90,62 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
     echo = getattr(body, "echo", False)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await _stream(model, choices, context, head, chat, echo, include_usage)
-    done = await asyncio.gather(*(complete(model, ids, params, context, request) for ids, params in choices))
+        return await _stream(model, choices, guides, context, head, chat, echo, include_usage, form)
+    done = await asyncio.gather(*(complete(model, ids, params, context, request, guide)
+                                  for (ids, params), guide in zip(choices, guides)))
     out = []
     for i, ((ids, _), c) in enumerate(zip(choices, done)):
         text = (model.tokenizer.decode(ids) + c.text) if echo else c.text
-        item = {"index": i, "finish_reason": c.finish_reason, "logprobs": None}
-        item.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        item = {"index": i, "finish_reason": c.finish_reason, "logprobs": _logprobs(model, c.logprobs, chat, 0)
+                if top is not None else None}
+        if chat:
+            content, calls = tools.parse(form, text) if form else (text, [])
+            item["message"] = {"role": "assistant", "content": content}
+            if calls:
+                item["message"]["tool_calls"], item["finish_reason"] = tools.openai_calls(calls), "tool_calls"
+        else:
+            item["text"] = text
         out.append(item)
     usage = _usage(sum(len(ids) for ids in prompts), sum(len(c.tokens) for c in done))
     return Response(json.dumps({**head, "choices": out, "usage": usage}), media_type="application/json")
+
+
+def _tool_form(model: GenerationModel, body: ChatRequest, grammar: str | None) -> tuple[str | None, str | None]:
+    """The tool-call form calls are read in (None: ``tool_choice`` "none") and the grammar a forced call follows."""
+    source = model.chat.pick(body.tools) if model.chat is not None else ""
+    form = tools.convention(source)
+    if "tools" not in source or form is None:
+        raise bad_input(f"model {model.name!r}: its chat template " + ("does not render 'tools'" if "tools" not in
+                        source else "shows no tool-call form attnx reads (<tool_call> JSON, Llama 3.x JSON)"), "tools")
+    choice = body.tool_choice or "auto"
+    if choice in ("none", "auto"):
+        return (None if choice == "none" else form), grammar
+    if grammar is not None:
+        raise bad_input("'response_format' and a forced 'tool_choice' cannot both hold", "tool_choice")
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    return form, tools.forced_grammar(form, body.tools, name)
+
+
+def _logprobs(model: GenerationModel, entries, chat: bool, offset: int) -> dict:
+    """OpenAI's ``logprobs`` of a choice (or of one chunk): chat's ``content`` list, or completions' columns."""
+    word = functools.partial(_token_text, model.tokenizer)
+    if chat:
+        def one(token, logprob):
+            text = word(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in top]}
+                            for token, (lp, top) in entries], "refusal": None}
+    texts = [word(token) for token, _ in entries]
+    offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [lp for _, (lp, _) in entries],
+            "top_logprobs": [{word(t): v for t, v in (*top, (token, lp))} for token, (lp, top) in entries],
+            "text_offset": offsets}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -96,20 +156,23 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(model: GenerationModel, choices, context, head: dict, chat: bool, echo: bool,
-                  include_usage: bool) -> Response:
+async def _stream(model: GenerationModel, choices, guides, context, head: dict, chat: bool, echo: bool,
+                  include_usage: bool, form: str | None) -> Response:
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    merged = _merged(model, choices, context)
+    merged = _merged(model, choices, guides, context)
     first = await anext(merged)  # a refused request is a status code, not an event
 
-    def chunk(i, text=None, reason=None, role=False):
+    def chunk(i, text=None, reason=None, role=False, logprobs=None, calls=None):
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-        return {**head, "choices": [{"index": i, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+            if calls:
+                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tools.openai_calls(calls))]
+            return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+        return {**head, "choices": [{"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}]}
 
     async def events():
-        counts = [0] * len(choices)
+        counts, sent = [0] * len(choices), [0] * len(choices)
+        readers = [tools.Calls(form) if form else None for _ in choices]
         try:
             for i, (ids, _) in enumerate(choices):
                 if chat or echo:
@@ -118,10 +181,17 @@ async def _stream(model: GenerationModel, choices, context, head: dict, chat: bo
             while item is not None:
                 i, piece = item
                 counts[i] += piece.token is not None
-                if piece.text:
-                    yield _sse(chunk(i, piece.text))
+                text = readers[i].feed(piece.text) if readers[i] else piece.text
+                logprobs = _logprobs(model, [(piece.token, piece.logprob)], chat, sent[i]) if piece.logprob else None
+                if text or logprobs:
+                    yield _sse(chunk(i, text, logprobs=logprobs))
+                sent[i] += len(text)
                 if piece.finish_reason:
-                    yield _sse(chunk(i, "" if chat else None, piece.finish_reason))
+                    rest, calls = readers[i].finish() if readers[i] else ("", [])
+                    if rest:
+                        yield _sse(chunk(i, rest))
+                    yield _sse(chunk(i, "" if chat else None, "tool_calls" if calls else piece.finish_reason,
+                                     calls=calls))
                 item = await anext(merged, None)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(sum(len(ids) for ids, _ in choices), sum(counts))})
@@ -135,10 +205,10 @@ async def _stream(model: GenerationModel, choices, context, head: dict, chat: bo
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _merged(model: GenerationModel, choices, context) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(model: GenerationModel, choices, guides, context) -> AsyncIterator[tuple[int, Any]]:
     """``(choice index, piece)`` of every choice as they come; a failure ends the stream with it."""
     if len(choices) == 1:
-        async for piece in pieces(model, choices[0][0], choices[0][1], context):
+        async for piece in pieces(model, choices[0][0], choices[0][1], context, guides[0]):
             yield 0, piece
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -152,8 +222,8 @@ async def _merged(model: GenerationModel, choices, context) -> AsyncIterator[tup
         finally:
             await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, pieces(model, ids, params, context))) for i, (ids, params) in
-             enumerate(choices)]
+    tasks = [asyncio.ensure_future(pump(i, pieces(model, ids, params, context, guide)))
+             for i, ((ids, params), guide) in enumerate(zip(choices, guides))]
     try:
         open_ = len(tasks)
         while open_:

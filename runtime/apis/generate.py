@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from attnx.runtime.apis.completions import SSE_HEADERS
-from attnx.runtime.apis.generation import GenerationModel, check_choices, complete, pieces, sampling
+from attnx.runtime.apis.generation import GenerationModel, check_choices, check_room, complete, pieces, sampling
 from attnx.runtime.apis.registry import GENERATE
 from attnx.runtime.apis.requests import GenerateRequest, openapi_body, parse
 from attnx.runtime.wire.envelope import Call
@@ -35,6 +35,7 @@ async def _parse(s: Serving, call: Call, request: Request, name: str, version: s
             raise bad_input(f"'text_input' must be one string, got {len(text)}", "text_input")
         text = text[0]
     ids = await model.prompt_ids(text, s.envelope.workers, "text_input")
+    check_room(model, len(ids), body, "max_tokens")
     check_choices(model, 1)
     return model, ids, sampling(body, body.max_tokens or 16), model.context(body.context)
 

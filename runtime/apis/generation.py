@@ -25,6 +25,7 @@ from attnx.runtime.apis.registry import EMBED, GENERATE, TOKENIZE, WORDS, input_
 from attnx.runtime.core.chat import ChatError, ChatTemplate, Renderer
 from attnx.runtime.core.decoding import Decoder, source_info
 from attnx.runtime.core.generate import Piece
+from attnx.runtime.core.guided import GrammarError, Grammars, json_schema
 from attnx.runtime.core.sampling import SamplingError, SamplingParams
 from attnx.runtime.core.scheduler import GenerationScheduler, SchedulerClosed, SchedulerFull
 from attnx.runtime.core.session import InputError, Session
@@ -50,6 +51,7 @@ class GenerationModel:
     tokenizer: TextTokenizer
     scheduler: GenerationScheduler
     chat: ChatTemplate | None = None
+    grammars: Grammars | None = None
     version: str = "1"
     capabilities: frozenset = frozenset({GENERATE, TOKENIZE})
 
@@ -69,7 +71,8 @@ class GenerationModel:
             max_batch = min(max_batch, int(profiles["batch"][2]))  # an engine runs no more rows than its profile
         return cls(name, session, decoder, tokenizer,
                    GenerationScheduler(decoder, tokenizer, max_batch=max_batch, max_queue=max_queue, name=name),
-                   ChatTemplate.from_folder(tokenizer.file.parent))
+                   ChatTemplate.from_folder(tokenizer.file.parent),
+                   Grammars(tokenizer.file, decoder.vocab_size or tokenizer.vocab_size, decoder.layout.eos))
 
     # --- what the registry asks of every model ---------------------------------------------------------
     @property
@@ -153,12 +156,23 @@ class GenerationModel:
         except ChatError as e:
             raise ProtocolError(Kind.TOO_LARGE if e.too_large else Kind.BAD_INPUT, str(e), "messages") from None
 
+    async def guides(self, grammar: str | None, count: int, workers: Workers, param: str) -> list:
+        """``count`` fresh matchers of ``grammar`` (compiled off the loop; the first builds the model's llguidance
+        tokenizer), or ``[None] * count`` without one."""
+        if grammar is None:
+            return [None] * count
+        try:
+            return [await workers.run(functools.partial(self.grammars.guide, grammar), cost=1) for _ in range(count)]
+        except GrammarError as e:
+            raise bad_input(f"'{param}': {e}", param) from None
+
     def context(self, value: Mapping[str, Any] | None) -> dict[str, np.ndarray] | None:
         """A request's ``context`` (``{name: one row}``) as the decoder's context inputs (checked again there)."""
         return context_arrays(value, self.decoder.context_inputs, self.name) if value is not None else None
 
 
-def sampling(body, max_tokens: int | None, names: Mapping[str, str] | None = None) -> SamplingParams:
+def sampling(body, max_tokens: int | None, names: Mapping[str, str] | None = None,
+             logprobs: int | None = None) -> SamplingParams:
     """A request's sampling fields -> :class:`SamplingParams` (``temperature`` 0: greedy; ``max_tokens`` None:
     until the positions run out), with the request's own field names in the errors."""
     names = dict(names or {})
@@ -169,7 +183,9 @@ def sampling(body, max_tokens: int | None, names: Mapping[str, str] | None = Non
                               top_k=body.top_k or 0,
                               repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                               do_sample=temperature > 0, stop=(body.stop,) if isinstance(body.stop, str) else
-                              tuple(body.stop or ()), seed=body.seed, ignore_eos=body.ignore_eos)
+                              tuple(body.stop or ()), seed=body.seed, ignore_eos=body.ignore_eos,
+                              presence_penalty=getattr(body, "presence_penalty", None) or 0.0,
+                              frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0, logprobs=logprobs)
     except SamplingError as e:
         key = names.get(e.param or "", e.param)
         raise bad_input(str(e).replace(f"{e.param} ", f"'{key}' ", 1) if e.param else str(e), key) from None
@@ -188,15 +204,35 @@ def check_choices(model: GenerationModel, count: int) -> None:
                          f"{model.max_queue}); retry later")
 
 
+def check_room(model: GenerationModel, prompt_tokens: int, body, key: str) -> None:
+    """A ``max_tokens`` the request set that the prompt leaves no room for is a one-line 400 naming it, as vLLM and
+    OpenAI answer (a default is cut at the positions instead)."""
+    positions, asked = model.decoder.max_positions, getattr(body, key)
+    if positions and asked and key in body.model_fields_set and prompt_tokens + asked > positions:
+        raise bad_input(f"model {model.name!r} has {positions} positions, but {prompt_tokens} prompt tokens + "
+                        f"'{key}' {asked} need more: ask for at most {max(positions - prompt_tokens, 0)}", key)
+
+
+def response_grammar(body) -> str | None:
+    """The grammar of a request's ``response_format`` (None: free text)."""
+    fmt = getattr(body, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        return json_schema(fmt.json_schema["schema"] if fmt.type == "json_schema" else None)
+    except GrammarError as e:
+        raise bad_input(f"'response_format': {e}", "response_format") from None
+
+
 async def pieces(model: GenerationModel, prompt: list[int], params: SamplingParams,
-                 context: Mapping[str, np.ndarray] | None = None) -> AsyncIterator[Piece]:
+                 context: Mapping[str, np.ndarray] | None = None, guide=None) -> AsyncIterator[Piece]:
     """One generation's pieces as the scheduler makes them; leaving early (a client gone, an error)
     cancels it, which frees its batch row at the next step."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()  # pieces from the scheduler's thread to this loop
     deliver = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
     try:
         handle = model.scheduler.submit(prompt, params, deliver,
-                                        lambda message: deliver(ProtocolError(Kind.INTERNAL, message)), context)
+                                        lambda message: deliver(ProtocolError(Kind.INTERNAL, message)), context, guide)
     except InputError as e:
         raise bad_input(str(e), "context" if context else "prompt") from None
     except SchedulerFull as e:
@@ -222,20 +258,23 @@ class Completion:
     tokens: list[int]
     finish_reason: str
     prompt_tokens: int
+    logprobs: list[tuple[int, Any]]  # (token, Piece.logprob) of each token, where asked
 
 
 async def complete(model: GenerationModel, prompt: list[int], params: SamplingParams, context=None,
-                   request=None) -> Completion:
+                   request=None, guide=None) -> Completion:
     """The whole generation; a client that disconnects meanwhile (``request``) cancels it."""
 
     async def run() -> Completion:
-        texts, tokens, reason = [], [], "length"
-        async for piece in pieces(model, prompt, params, context):
+        texts, tokens, logprobs, reason = [], [], [], "length"
+        async for piece in pieces(model, prompt, params, context, guide):
             texts.append(piece.text)
             if piece.token is not None:  # an end-of-sequence token counts, as OpenAI and vLLM count it
                 tokens.append(piece.token)
+                if piece.logprob is not None:
+                    logprobs.append((piece.token, piece.logprob))
             reason = piece.finish_reason or reason
-        return Completion("".join(texts), tokens, reason, len(prompt))
+        return Completion("".join(texts), tokens, reason, len(prompt), logprobs)
 
     task = asyncio.ensure_future(run())
     if request is None:

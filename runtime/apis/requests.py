@@ -123,6 +123,23 @@ class EmbeddingRequest(Body):
     musts: ClassVar = {"dimensions": "must be an integer"}
 
 
+class ResponseFormat(Body):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (``{"name", "schema", "strict"}``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            fail("'response_format.json_schema.schema' must be a JSON schema object")
+        return self
+
+
+Penalty = Annotated[float | None, Field(ge=-2, le=2)]
+TopLogprobs = Annotated[int | None, Field(ge=0, le=20)]
+
+
 class Sampling(Body):
     """What completions and chat share: the sampling fields OpenAI documents, and attnx's extensions."""
 
@@ -134,10 +151,9 @@ class Sampling(Body):
     seed: Annotated[int | None, Field(ge=0, le=2**64 - 1)] = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    response_format: ResponseFormat | None = None
     best_of: int | None = None
     user: str | None = None
     top_k: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None
@@ -146,12 +162,11 @@ class Sampling(Body):
     context: Context = None
     musts: ClassVar = {"stop": "must be a string or a list of strings"}
 
-    @field_validator("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "best_of")
+    @field_validator("best_of")
     @classmethod
-    def _unsupported(cls, value, info):  # refused, not ignored (issue 34 will add them)
-        name = info.field_name
-        if value not in (None, False, 0) and not (name == "best_of" and value == 1):
-            fail(f"'{name}' is not supported" + (" (use 'repetition_penalty')" if name.endswith("penalty") else ""))
+    def _unsupported(cls, value, info):  # refused, not ignored
+        if value not in (None, 1):
+            fail(f"'{info.field_name}' is not supported")
         return value
 
 
@@ -161,6 +176,14 @@ class CompletionRequest(Sampling):
     prompt: Annotated[str | list[int] | list[str | list[int]], texts_or_ids("prompt")]
     max_tokens: Annotated[int | None, Field(ge=1, le=MAX_INT)] = 16
     echo: bool = False
+    logprobs: TopLogprobs = None
+
+    @model_validator(mode="after")
+    def _echo(self):
+        if self.echo and self.logprobs is not None:
+            fail("'logprobs' with 'echo' (the prompt's logprobs) is not supported: attnx's decoders compute the "
+                 "last position's logits only")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -186,6 +209,22 @@ class ChatRequest(Sampling):
     max_tokens: Annotated[int | None, Field(ge=1, le=MAX_INT)] = None
     max_completion_tokens: Annotated[int | None, Field(ge=1, le=MAX_INT)] = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs = None
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            fail("'top_logprobs' needs 'logprobs': true")
+        named = self.tool_choice if isinstance(self.tool_choice, dict) else None
+        if self.tool_choice not in (None, "none") and not self.tools:
+            fail("'tool_choice' needs 'tools'")
+        if named is not None and (named.get("function") or {}).get("name") not in \
+                [(t.get("function") or {}).get("name") for t in self.tools or ()]:
+            fail("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                 "\"function\": {\"name\": NAME}} naming one of 'tools'")
+        return self
 
 
 # --- TEI ------------------------------------------------------------------------------------------------

@@ -169,16 +169,13 @@ def infer_id_ranges(path, names: list[str]) -> dict[str, tuple[int, int]]:
     initializer (an embedding table of ``rows`` rows). The file is read without its weights."""
     if not names:
         return {}
-    from attnx.contract import load_onnx
+    from attnx.runtime.core.onnx_outline import graph_outline
 
-    model = load_onnx(path)
-    tables = {init.name: int(init.dims[0]) for init in model.graph.initializer if len(init.dims) >= 1}
+    tables, gathers = graph_outline(path)
     found: dict[str, tuple[int, int]] = {}
-    for node in model.graph.node:
-        if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] in names:
-            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-            if axis == 0 and node.input[0] in tables:
-                found.setdefault(node.input[1], (0, tables[node.input[0]]))
+    for data, indices, axis in gathers:
+        if indices in names and axis == 0 and data in tables:
+            found.setdefault(indices, (0, tables[data]))
     return found
 
 

@@ -12,6 +12,14 @@ file (ONNX Runtime or a TensorRT engine) with :class:`DecodeState` s:
   the left with masked slots (exact: a masked key gets no weight, positions come from each row's own
   count), and :meth:`Decoder.select` takes rows out again, dropping slots no row uses any more.
 
+Between steps the cache goes back to the runtime as the runtime left it, so a step copies no cache outside the
+graph itself (whose ``present`` is ``past`` + the new position): on the CPU ONNX Runtime returns its own output
+buffers as numpy arrays and runs numpy feeds where they lie (no copy either way; ``tests/test_generation.py``
+checks the addresses); on a GPU the decoder runs through ONNX Runtime's IOBinding
+(:meth:`~attnx.runtime.core.backends.onnxrt.OnnxRuntimeSession.run_keeping`): ``present.*`` stay ``OrtValue`` s on
+the device and are bound as the next step's ``past_key_values.*``, only the last position's logits cross to the
+host. Only a batch that changes (:meth:`Decoder.merge`, :meth:`Decoder.select`) brings the cache to the host.
+
 That is the step-level batching of :mod:`attnx.runtime.core.scheduler`: a batch of rows decodes one token each
 per run, a row that finishes leaves, a request that arrives joins after its prefill.
 """
@@ -55,8 +63,7 @@ class CacheLayout:
         info, _ = source_info(session)
         cache = info.cache if info is not None else None
         if not cache:
-            raise NotAGenerator(f"{session.path.name} has no KV cache in its signature, so it cannot generate: "
-                                "export it with `attnx export --from-pretrained DIR --with-past`")
+            raise NotAGenerator(_why_not_a_generator(session, info))
         tensors = tuple(CacheTensor(e["input"], e["output"], e.get("axis")) for e in cache.get("entries", []))
         names = set(session.input_names)
         missing = [t.input for t in tensors if t.input not in names]
@@ -65,6 +72,19 @@ class CacheLayout:
                                 "which the file does not have (the metadata was changed; re-export it)")
         return cls(tensors, bool(cache.get("position_ids")), tuple(int(e) for e in cache.get("eos_token_id") or ()),
                    cache.get("bos_token_id"), int(cache.get("max_positions") or 0))
+
+
+def _why_not_a_generator(session: Session, info) -> str:
+    """One line for a file without a KV cache: a causal LM exported without it, or no language model at all."""
+    name = session.path.name
+    task = ((info.config or {}).get("task") if info is not None else None)
+    logits = next((s for s in session.outputs if s.name == "logits"), None)
+    if task == "causal-lm" or (task is None and logits is not None and logits.rank == 3):
+        return (f"{name} has no KV cache in its signature, so it cannot generate: export it with `attnx export "
+                "--from-pretrained DIR --with-past`")
+    what = f"a {task} model" if task else "not a causal language model"
+    return (f"{name} is {what} (outputs: {', '.join(session.output_names)}), so it cannot generate text: "
+            "`attnx generate` runs a causal language model (a ...ForCausalLM folder, or its with-past export)")
 
 
 #: ONNX Runtime settings for a with-past export (``attnx.runtime.load`` applies them; a caller's options win).
@@ -111,7 +131,8 @@ def source_info(session: Session):
 @dataclass
 class DecodeState:
     """Rows mid-generation: each cached tensor ``[rows, ...]``, ``mask [rows, slots]``, each row's next
-    position (its real tokens so far) and its context inputs ``[rows, ...]``."""
+    position (its real tokens so far) and its context inputs ``[rows, ...]``. A cached tensor is numpy, or
+    on ONNX Runtime the ``OrtValue`` its last run left on its device (:meth:`host_cache` gives numpy)."""
 
     cache: dict[str, np.ndarray]
     mask: np.ndarray
@@ -126,13 +147,28 @@ class DecodeState:
     def slots(self) -> int:
         return int(self.mask.shape[1])
 
+    def host_cache(self) -> dict[str, np.ndarray]:
+        return {name: host(value) for name, value in self.cache.items()}
+
+
+def host(value) -> np.ndarray:
+    """A cached tensor as numpy: an ``OrtValue`` is wrapped where it lies on the CPU (no copy), copied from a GPU."""
+    return value if isinstance(value, np.ndarray) else value.numpy()
+
 
 class Decoder:
     """One with-past model, run by prefill and decode steps (module docstring). Thread-safe as its session
     is; a :class:`DecodeState` belongs to one caller at a time."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, bind: bool | None = None):
         self.session = session
+        # ONNX Runtime's IOBinding where it saves copies: a GPU session (module docstring). On the CPU plain runs
+        # already pass numpy buffers both ways without a copy, and binding 2 tensors a layer costs more Python.
+        if bind is None:
+            bind = bool(getattr(session, "on_device", False))
+        self._keeping = getattr(session, "run_keeping", None) if bind else None
+        if bind and self._keeping is None:
+            raise ValueError(f"{type(session).__name__} cannot keep outputs on its device (ONNX Runtime sessions can)")
         self.layout = CacheLayout.of(session)
         specs = {s.name: s for s in session.inputs}
         self._dtypes = {t.input: np.dtype(specs[t.input].dtype) for t in self.layout.tensors}
@@ -140,6 +176,7 @@ class Decoder:
         self._ids = next(s for s in session.inputs if s.role == Role.INPUT_IDS)
         self._mask = next(s for s in session.inputs if s.role == Role.ATTENTION_MASK)
         self.context_inputs = [s for s in session.inputs if s.role == Role.CONTEXT]
+        self._present = frozenset(t.output for t in self.layout.tensors)
         self._outputs = ["logits"] + [t.output for t in self.layout.tensors]
         vocab = next(s for s in session.outputs if s.name == "logits").shape[-1]
         self.vocab_size = vocab if isinstance(vocab, int) else None
@@ -200,7 +237,10 @@ class Decoder:
         return feeds
 
     def _advance(self, state: DecodeState, feeds, new_tokens: np.ndarray, validate: bool):
-        out = self.session.run(feeds, self._outputs) if validate else self.session._run(feeds, self._outputs)
+        if validate:
+            feeds = self.session.check_feeds(feeds)
+        out = self._keeping(feeds, self._outputs, self._present) if self._keeping is not None else \
+            self.session._run(feeds, self._outputs)
         cache = {t.input: out[t.output] for t in self.layout.tensors}
         mask = feeds[self._mask.name]
         return out["logits"][:, -1], DecodeState(cache, mask, state.positions + new_tokens, state.context)
@@ -246,7 +286,7 @@ class Decoder:
 
         cache = {}
         for t in self.layout.tensors:
-            parts = [s.cache[t.input] if t.axis is None else pad(s.cache[t.input], t.axis, slots - s.slots)
+            parts = [host(s.cache[t.input]) if t.axis is None else pad(host(s.cache[t.input]), t.axis, slots - s.slots)
                      for s in states]
             cache[t.input] = np.concatenate(parts, axis=0)
         mask = np.concatenate([pad(s.mask, 1, slots - s.slots) for s in states], axis=0)
@@ -261,7 +301,7 @@ class Decoder:
         first = min(int(used[0]) if used.size else mask.shape[1] - 1, mask.shape[1] - 1)
         cache = {}
         for t in self.layout.tensors:
-            arr = state.cache[t.input][rows]
+            arr = host(state.cache[t.input])[rows]
             if t.axis is not None and first:
                 arr = np.take(arr, np.arange(first, arr.shape[t.axis]), axis=t.axis)
             cache[t.input] = arr

@@ -70,7 +70,7 @@ class TextStream:
                 self._pending, self.stopped = "", True
                 return out
             if not final:
-                hold = _longest_stop_prefix(pending, self.stop)
+                hold = longest_stop_prefix(pending, self.stop)
                 out, self._pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
                 self.text += out
                 return out
@@ -79,7 +79,7 @@ class TextStream:
         return pending
 
 
-def _longest_stop_prefix(text: str, stops: Sequence[str]) -> int:
+def longest_stop_prefix(text: str, stops: Sequence[str]) -> int:
     """The length of the longest end of ``text`` that begins some stop string."""
     best = 0
     for s in stops:

@@ -22,24 +22,26 @@ import numpy as np
 
 from attnx.runtime.core.decoding import Decoder
 from attnx.runtime.core.detokenize import TextStream
-from attnx.runtime.core.sampling import SamplingParams, next_token
+from attnx.runtime.core.sampling import SamplingParams, logprobs, next_token
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One step of a stream: the token chosen, the text it completes (may be ``""``), and, on the last
-    piece, why generation ended."""
+    """One step of a stream: the token chosen, the text it completes (may be ``""``), on the last piece why
+    generation ended, and where asked (``SamplingParams.logprobs``) the token's log-probability with the most
+    likely alternatives ``((id, logprob), ...)`` (:func:`~attnx.runtime.core.sampling.logprobs`)."""
 
     token: int | None
     text: str
     finish_reason: str | None = None
+    logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
 
 class Generation:
     """One request: its prompt, its parameters and random stream, the tokens and text so far."""
 
     def __init__(self, prompt: Sequence[int], params: SamplingParams, tokenizer, eos: Sequence[int] = (),
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, guide=None):
         self.prompt = [int(t) for t in prompt]
         self.params = params
         self.rng = params.rng()
@@ -51,29 +53,38 @@ class Generation:
         self.text = TextStream(tokenizer, params.stop)
         self.finish_reason: str | None = None if self.limit > 0 else "length"
         self._seen = list(self.prompt)
+        self.guide = guide  # a grammar the text must follow (attnx.runtime.core.guided.Guide), or None
+        self._logprob = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def choose(self, logits: np.ndarray) -> int:
-        return next_token(logits, self.params, self.rng, self._seen if self.params.repetition_penalty != 1.0 else ())
+        p = self.params
+        token = next_token(logits, p, self.rng, self._seen if p.repetition_penalty != 1.0 else (), self.tokens,
+                           self.guide.allowed() if self.guide is not None else None)
+        self._logprob = logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
+        return token
 
     def accept(self, token: int) -> Piece:
         """Take the chosen token: the text it adds, and whether the request ends here."""
-        token = int(token)
+        token, logprob = int(token), self._logprob
         if token in self.eos:
             self.finish_reason = "stop"
-            return Piece(token, self.text.finish(), "stop")
+            return Piece(token, self.text.finish(), "stop", logprob)
         self.tokens.append(token)
         self._seen.append(token)
         text = self.text.add(token)
-        if self.text.stopped:
+        if self.guide is not None:
+            self.guide.accept(token)
+        if self.text.stopped or (self.guide is not None and self.guide.complete):
             self.finish_reason = "stop"
+            text += self.text.finish()
         elif len(self.tokens) >= self.limit:
             self.finish_reason = "length"
             text += self.text.finish()
-        return Piece(token, text, self.finish_reason)
+        return Piece(token, text, self.finish_reason, logprob)
 
 
 def stream(decoder: Decoder, tokenizer, prompt: Sequence[int], params: SamplingParams,

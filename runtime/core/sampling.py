@@ -1,12 +1,15 @@
-"""Choosing the next token: greedy, or sampled with temperature, top-k, top-p and a repetition penalty.
+"""Choosing the next token: greedy, or sampled with temperature, top-k, top-p and penalties.
 
 :class:`SamplingParams` is what a caller asks for (``attnx generate`` flags, ``TextModel.generate`` keywords, the
 server's request fields), checked once with one-line errors; :func:`next_token` applies it to one row of logits, in
-transformers' order: repetition penalty (CTRL's: a seen token's logit divided by the penalty when positive,
-multiplied when negative; prompt tokens count as seen), then temperature, top-k, top-p (the smallest set of most
-likely tokens whose probability reaches ``top_p``, at least one), then a draw from the rest with the request's own
-``numpy`` generator (``seed``: the same tokens every time). Greedy (``temperature == 0``, or no sampling asked for)
-is the argmax, first on ties, after the repetition penalty: transformers' ``generate(do_sample=False)``.
+transformers' and vLLM's order: repetition penalty (CTRL's: a seen token's logit divided by the penalty when
+positive, multiplied when negative; prompt tokens count as seen), OpenAI's presence and frequency penalties
+(``logit - presence * (count > 0) - frequency * count`` over the tokens generated so far, not the prompt's), a
+grammar's mask (``allowed``: :mod:`attnx.runtime.core.guided`), then temperature, top-k, top-p (the smallest set of
+most likely tokens whose probability reaches ``top_p``, at least one), then a draw from the rest with the request's
+own ``numpy`` generator (``seed``: the same tokens every time). Greedy (``temperature == 0``, or no sampling asked
+for) is the argmax, first on ties, after the penalties: transformers' ``generate(do_sample=False)``.
+:func:`logprobs` is the model's own log-softmax (before any of this: vLLM's default ``raw_logprobs``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 #: Smallest repetition penalty: a seen logit is divided by it, and float32 logits of ~1e4 stay finite in float64.
 MIN_PENALTY = 0.01
+#: Most alternatives reported per token (vLLM's default ``max_logprobs``; OpenAI's chat allows 20).
+MAX_LOGPROBS = 20
 
 
 class SamplingError(ValueError):
@@ -46,6 +51,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # alternatives reported per token (0..MAX_LOGPROBS); None: no logprobs
 
     def __post_init__(self) -> None:
         def number(name, value, kind=float):
@@ -70,6 +78,11 @@ class SamplingParams:
         r = number("repetition_penalty", self.repetition_penalty)
         if not MIN_PENALTY <= r <= 100.0:  # below it, penalised logits leave float range
             raise SamplingError(f"repetition_penalty must be in [{MIN_PENALTY}, 100], got {r}", "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
+                raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if self.logprobs is not None and not 0 <= number("logprobs", self.logprobs, int) <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -102,16 +115,34 @@ def apply_repetition_penalty(logits: np.ndarray, seen: Sequence[int] | np.ndarra
     return out
 
 
-def distribution(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] | np.ndarray = ()) -> np.ndarray:
+def processed(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] | np.ndarray = (),
+              generated: Sequence[int] = (), allowed: np.ndarray | None = None) -> np.ndarray:
+    """One row of logits after the penalties and a grammar's mask (``float64 [vocab]``, module docstring): what
+    greedy takes the argmax of. Logits that are not finite raise :class:`SamplingError` (the scheduler fails that
+    request alone); a mask that leaves no token raises it too."""
+    row = np.asarray(logits, dtype=np.float64)
+    if not np.isfinite(row).all():
+        raise SamplingError("the model's logits for this step are not finite")
+    row = apply_repetition_penalty(row, seen, params.repetition_penalty)
+    if len(generated) and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        row = row.copy()
+        row[ids] -= params.presence_penalty + params.frequency_penalty * counts
+    if allowed is not None:
+        row = np.where(allowed[:row.shape[0]], row, -np.inf)
+        if not np.isfinite(row).any():
+            raise SamplingError("the grammar of this request allows no token here")
+    return row
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] | np.ndarray = (),
+                 generated: Sequence[int] = (), allowed: np.ndarray | None = None) -> np.ndarray:
     """The probabilities a sampled token is drawn from (``float64 [vocab]``; module docstring).
 
     In float64, and the best logit is taken off before dividing by the temperature: the scaled scores are then
-    all <= 0, so a subnormal temperature sends the others to -inf (greedy in effect) instead of inf / inf = NaN.
-    Logits that are not finite raise :class:`SamplingError` (the scheduler fails that request alone)."""
-    row = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), seen, params.repetition_penalty)
-    if not np.isfinite(row).all():
-        raise SamplingError("the model's logits for this step are not finite")
-    with np.errstate(over="ignore", under="ignore"):
+    all <= 0, so a subnormal temperature sends the others to -inf (greedy in effect) instead of inf / inf = NaN."""
+    row = processed(logits, params, seen, generated, allowed)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         scores = (row - row.max()) / params.temperature
     if params.top_k and params.top_k < scores.shape[0]:
         kth = np.partition(scores, -params.top_k)[-params.top_k]
@@ -132,18 +163,29 @@ def distribution(logits: np.ndarray, params: SamplingParams, seen: Sequence[int]
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-               seen: Sequence[int] | np.ndarray = ()) -> int:
+               seen: Sequence[int] | np.ndarray = (), generated: Sequence[int] = (),
+               allowed: np.ndarray | None = None) -> int:
     """The next token from one row of logits ``[vocab]`` (module docstring)."""
     if params.greedy:
-        row = apply_repetition_penalty(np.asarray(logits, dtype=np.float64), seen, params.repetition_penalty)
-        return int(np.argmax(row))
-    probs = distribution(logits, params, seen)
+        return int(np.argmax(processed(logits, params, seen, generated, allowed)))
+    probs = distribution(logits, params, seen, generated, allowed)
     return int(rng.choice(probs.shape[0], p=probs))
+
+
+def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``(log p(token), the top most likely (id, log p), best first)`` of the model's own distribution."""
+    row = np.asarray(logits, dtype=np.float64)
+    peak = row.max()
+    row = row - (peak + np.log(np.exp(row - peak).sum()))
+    best = np.argpartition(row, -top)[-top:] if top else np.empty(0, np.int64)
+    best = best[np.argsort(-row[best], kind="stable")]
+    return float(row[token]), tuple((int(i), float(row[i])) for i in best)
 
 
 def sampling_params(*, max_new_tokens: int = 64, temperature: float | None = None, top_k: int | None = None,
                     top_p: float | None = None, repetition_penalty: float | None = None, stop=None,
-                    seed: int | None = None, do_sample: bool | None = None, ignore_eos: bool = False) -> SamplingParams:
+                    seed: int | None = None, do_sample: bool | None = None, ignore_eos: bool = False,
+                    **more) -> SamplingParams:
     """Parameters as people give them: greedy unless sampling is asked for (``do_sample``, or a temperature
     above 0, a top-k or a top-p given); ``temperature=0`` is greedy whatever else is set."""
     if do_sample is None:
@@ -152,4 +194,4 @@ def sampling_params(*, max_new_tokens: int = 64, temperature: float | None = Non
                           top_k=0 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p,
                           repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
                           do_sample=bool(do_sample), stop=tuple([stop] if isinstance(stop, str) else stop or ()),
-                          seed=seed, ignore_eos=ignore_eos)
+                          seed=seed, ignore_eos=ignore_eos, **more)

