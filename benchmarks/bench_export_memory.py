@@ -15,8 +15,8 @@ ONNX Runtime's logits with transformers eager on a padded batch (the full-sequen
 
 Sizes: ``tiny`` (hidden 256, 4 layers), ``smollm2`` (SmolLM2-135M's shape: hidden 576, 30 layers, 9/3
 heads, FFN 1536, vocab 49152), ``1b`` (hidden 2048, 16 layers) and ``1.5b`` (hidden 2048, 24 layers,
-GQA 32/8, FFN 8192, vocab 49152: 1.41B parameters, 5.6 GB in fp32). Check ``free -g`` first: the 1.5B
-export peaks near 2x its 5.6 GB, and ``--verify`` loads it twice more (one process at a time).
+GQA 32/8, FFN 8192, vocab 49152: 1.56B parameters, 6.2 GB in fp32). Check ``free -g`` first: the 1.5B
+export peaks near 1.2x its 6.2 GB, and ``--verify`` loads it twice more (one process at a time).
 """
 
 from __future__ import annotations
