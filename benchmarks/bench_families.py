@@ -68,7 +68,7 @@ def optimum_export(python: Path, folder: Path, task: str, out: Path) -> Path:
 
 
 def session(path: Path, threads: int):
-    from attnx.runtime.backends.onnxrt import OrtOptions
+    from attnx.runtime.core.backends.onnxrt import OrtOptions
 
     return OrtOptions(device="cpu", threads=threads).inference_session(path)
 

@@ -6,12 +6,12 @@ Models: random-weight folders saved with ``save_pretrained`` (no tokenizer; the 
 ``gpt2`` (n_embd 512, 8 layers, 8 heads, vocab 16000). A 32-token prompt, then greedy decoding.
 
 - ``decode``: ms per generated token after the first (``(t(65 tokens) - t(1 token)) / 64`` per contender,
-  the prompt's prefill cancels out), for attnx (``attnx.runtime.decoding.Decoder`` on ONNX Runtime, a
+  the prompt's prefill cancels out), for attnx (``attnx.runtime.core.decoding.Decoder`` on ONNX Runtime, a
   greedy loop), transformers' ``generate`` (torch, ``do_sample=False``, its own cache, sdpa) and
   onnxruntime-genai on the same ``model.onnx`` (its ``genai_config.json``); every contender with the same
   intra-op threads, interleaved rounds, medians; ratios printed (> 1: attnx faster).
 - ``concurrency``: aggregate tokens/s of 8 concurrent generations against one, through the step-level
-  scheduler (``attnx.runtime.scheduler``) in process and through ``attnx serve`` over HTTP (streamed
+  scheduler (``attnx.runtime.core.scheduler``) in process and through ``attnx serve`` over HTTP (streamed
   ``/v1/completions``, one client thread each); interleaved rounds.
 - ``variants``: decode ms/token of each variant placed in every layer of the llama (maw: appended, its own
   form) against mha, per lowering; interleaved rounds.
@@ -87,7 +87,7 @@ def prompt_ids(vocab: int = 16000) -> list[int]:
 
 def attnx_contender(path: Path, threads: int, **options):
     from attnx.runtime import load
-    from attnx.runtime.decoding import Decoder
+    from attnx.runtime.core.decoding import Decoder
 
     decoder = Decoder(load(path, device="cpu", threads=threads, **options))
     ids = prompt_ids()
@@ -207,9 +207,9 @@ def bench_concurrency(root: Path, rounds: int, threads: int, streams: int = 8) -
     import httpx
 
     from attnx.runtime import BatcherConfig, load
-    from attnx.runtime.decoding import Decoder
-    from attnx.runtime.sampling import SamplingParams
-    from attnx.runtime.scheduler import GenerationScheduler
+    from attnx.runtime.core.decoding import Decoder
+    from attnx.runtime.core.sampling import SamplingParams
+    from attnx.runtime.core.scheduler import GenerationScheduler
     from attnx.runtime.server import InferenceServer
 
     path = export(root, "llama")

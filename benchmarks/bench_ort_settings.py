@@ -23,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 from bench_variants import MB, interleaved, peak_bytes, pin_malloc, print_table
 
-from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions, default_threads, denormals_flushed
+from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession, OrtOptions, default_threads, denormals_flushed
 
 SETTINGS = {  # name -> OrtOptions overrides (one change each)
     "default": {},

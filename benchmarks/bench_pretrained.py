@@ -165,7 +165,7 @@ def ort_contender(path: Path, feeds: dict, threads: int):
     cores busy while the next one runs, and on a small machine that, not the graph, decides the ratios
     (measured: 1x128 took 60 ms instead of 28 ms); and no SkipLayerNormFusion (a no-op for the Optimum
     + optimizer file, whose SkipLayerNormalization nodes are in the file already)."""
-    from attnx.runtime.backends.onnxrt import OrtOptions
+    from attnx.runtime.core.backends.onnxrt import OrtOptions
 
     sess = OrtOptions(device="cpu", threads=threads).inference_session(path)
     names = {i.name for i in sess.get_inputs()}

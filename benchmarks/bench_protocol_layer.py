@@ -5,7 +5,7 @@ subprocess on a loopback port, with the same ONNX Runtime threads (``--threads``
 
 - ``attnx``: ``attnx serve MODEL --max-batch 1`` (attnx's FastAPI/uvicorn layer, runtime/server.py);
 - ``kserve``: a ``kserve.Model`` whose async ``predict`` hands the decoded tensors to the same
-  :class:`~attnx.runtime.batcher.DynamicBatcher` over the same attnx Session (``kserve.ModelServer``,
+  :class:`~attnx.runtime.core.batcher.DynamicBatcher` over the same attnx Session (``kserve.ModelServer``,
   one worker, its gRPC server beside it) — i.e. kserve as the protocol layer under attnx's batcher.
 
 Batching is off in both (max batch 1; 8 for the 8x128 requests, so each batch is still exactly one
@@ -68,8 +68,8 @@ def kserve_server_main(argv: list[str]) -> None:
     from kserve.utils.numpy_codec import from_np_dtype
 
     from attnx.runtime import BatcherConfig, DynamicBatcher, InputError, load
-    from attnx.runtime.protocol import triton_dtype
-    from attnx.runtime.text import TextTokenizer, decode_text, stack_rows, text_feeds
+    from attnx.runtime.apis.kserve_tensors import triton_dtype
+    from attnx.runtime.core.text import TextTokenizer, decode_text, stack_rows, text_feeds
 
     class AttnxModel(kserve.Model):
         def __init__(self, name: str, path: str):

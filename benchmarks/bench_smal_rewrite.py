@@ -34,7 +34,7 @@ from _common import measure, parse_lengths, print_table, self_check_tracker
 
 from attnx.models import build_variant
 from attnx.models.smal import tta_distance
-from attnx.interp.hooks import run_with_cache
+from attnx.models.hooks import run_with_cache
 
 B, H, DH = 4, 12, 64
 D_MODEL = H * DH

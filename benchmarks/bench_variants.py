@@ -93,7 +93,7 @@ def interleaved(fns: dict, min_rounds: int = 3, budget_s: float = 6.0, slow_s: f
 
 def ort_session(path: Path, threads: int, arena: bool = True) -> ort.InferenceSession:
     """attnx.runtime's default settings (see runtime/backends/onnxrt.py), the arena switchable."""
-    from attnx.runtime.backends.onnxrt import OrtOptions
+    from attnx.runtime.core.backends.onnxrt import OrtOptions
 
     return OrtOptions(device="cpu", threads=threads, arena=arena).inference_session(path)
 
@@ -101,7 +101,7 @@ def ort_session(path: Path, threads: int, arena: bool = True) -> ort.InferenceSe
 def ort_run(sess: ort.InferenceSession, feeds: dict, names=None):
     """One run as attnx.runtime makes it: this thread, which does part of ORT's intra-op work, flushes
     denormals like ORT's pool threads (``OrtOptions.denormal_as_zero``)."""
-    from attnx.runtime.backends.onnxrt import denormals_flushed
+    from attnx.runtime.core.backends.onnxrt import denormals_flushed
 
     with denormals_flushed():
         return sess.run(names, feeds)
@@ -230,7 +230,7 @@ def int8_profile(files: dict[str, Path], threads: int, batch: int = 8, runs: int
     import collections
     import json
 
-    from attnx.runtime.backends.onnxrt import OrtOptions
+    from attnx.runtime.core.backends.onnxrt import OrtOptions
 
     feeds = {"input_ids": np.random.default_rng(1).integers(1000, 20000, (batch, 128)),
              "attention_mask": np.ones((batch, 128), np.int64), "token_type_ids": np.zeros((batch, 128), np.int64)}
@@ -267,13 +267,13 @@ def int8_table(threads: int, folder: Path, profile: bool = False) -> None:
     from attnx.contract import ModelInfo
     from attnx.export.pretrained import export_pretrained
     from attnx.export.quantize import quantize_file
-    from attnx.parity.text_cases import ExportTokenizer
+    from attnx.export.tokenizer import ExportTokenizer
     from attnx.pretrained import minilm_path
     from attnx.pretrained.sentences import SENTENCES
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+    from attnx.runtime.core.cpu import int8_dot_product, saturates_8bit_weights
 
     fp32 = export_pretrained(minilm_path(), folder / "minilm.onnx").path
     files = {"fp32": fp32}

@@ -39,7 +39,7 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
                device: str, threads: int | None, compare_batch_1: bool, rounds: int) -> dict:
     """Run the load, print the table and memory lines; returns the numbers (for ``--report``)."""
     from attnx.deploy import loadtest as b
-    from attnx.runtime.text import TextTokenizer
+    from attnx.runtime.core.text import TextTokenizer
 
     if not 1 <= min_tokens <= max_tokens or count < 1 or rounds < 1:
         raise UserError("need 1 <= --min-tokens <= --max-tokens, --texts >= 1 and --rounds >= 1")

@@ -133,15 +133,15 @@ def _toy(wd: Path, names: list[str], sets: list[str], target: Optional[str]) -> 
     trt_problem = tensorrt_problem()
     plugin_problem = None
     if trt_problem is None:
-        from attnx import plugins as plugin_pkg
+        from attnx import engine as eng
 
-        lib = plugin_pkg.library_path()
-        if lib is None:
-            try:
-                lib = plugin_pkg.build(console=console)
-            except plugin_pkg.PluginBuildError as e:
-                plugin_problem = _first_line(e)
-                err_console.print(f"[yellow]plugin library not built:[/yellow] {escape(plugin_problem)}")
+        lib = None
+        try:  # for the engines' target only: the demo's engines are built for that one GPU
+            lib = eng.resolve_plugin_library(None, needed=True, console=console,
+                                             target=eng.target_name(target or eng.default_target()))
+        except eng.EngineBuildError as e:
+            plugin_problem = _first_line(e)
+            err_console.print(f"[yellow]plugin library not built:[/yellow] {escape(plugin_problem)}")
         if lib is not None:
             console.print(f"plugin library: {escape(str(lib))}")
 

@@ -22,6 +22,10 @@ def register(app: typer.Typer) -> None:
                                                 "32, or an engine's batch profile maximum when lower)."),
         max_delay_us: int = typer.Option(2000, "--max-delay-us", help="dynamic_batching max_queue_delay_microseconds."),
         max_queue: Optional[int] = typer.Option(None, "--max-queue", help="dynamic_batching queue limit."),
+        backend: Optional[str] = typer.Option(None, "--backend", help="What runs the model: onnxruntime (an .onnx's "
+                                              "default), tensorrt (an engine's) or python (attnx's runtime in Triton's "
+                                              "Python backend: no ONNX Runtime backend needed, custom ops, engines; "
+                                              "requests of different lengths padded into one batch)."),
         instance_kind: str = typer.Option("KIND_AUTO", "--instance-kind", help="KIND_AUTO, KIND_GPU or KIND_CPU."),
         instances: int = typer.Option(1, help="Model instances per device."),
         plugin: Optional[Path] = typer.Option(None, help="TensorRT plugin library to ship with an engine (default: "
@@ -44,7 +48,8 @@ def register(app: typer.Typer) -> None:
                                            "or KIND_GPU, else 0)."),
     ) -> None:
         """Write a Triton Inference Server model repository: config.pbtxt checked with Triton's schema, and for a
-        text model an ensemble of a tokenizer (Python backend) and the model. Optionally a KServe manifest."""
+        text model an ensemble of a tokenizer (Python backend) and the model, run by Triton's ONNX Runtime or
+        TensorRT backend or (--backend python) by attnx's runtime. Optionally a KServe manifest."""
         from attnx.deploy.kserve import KServeOptions
         from attnx.deploy.repository import write_repository
         from attnx.deploy.triton import schema_problem
@@ -52,6 +57,8 @@ def register(app: typer.Typer) -> None:
         path = model or latest_export()
         if not path.is_file():
             raise UserError(f"no model file at {path}")
+        if backend is not None and backend not in ("onnxruntime", "tensorrt", "python"):
+            raise UserError(f"--backend must be onnxruntime, tensorrt or python, got {backend!r}")
         if instance_kind not in ("KIND_AUTO", "KIND_GPU", "KIND_CPU"):
             raise UserError("--instance-kind must be KIND_AUTO, KIND_GPU or KIND_CPU")
         for flag, value, low in (("--max-delay-us", max_delay_us, 0), ("--instances", instances, 1),
@@ -67,7 +74,7 @@ def register(app: typer.Typer) -> None:
             path, repo, name=name, max_batch_size=max_batch, max_queue_delay_us=max_delay_us,
             max_queue_size=max_queue, instance_kind=instance_kind, instance_count=instances,
             plugin_library=plugin, onnx_path=onnx, max_length=max_length, pad_to_multiple_of=pad_multiple,
-            kserve=kserve,
+            kserve=kserve, backend=backend,
         )
         problem = schema_problem()
         checked = "checked with Triton's schema" if written.validated else "NOT checked: " + str(problem)
@@ -76,6 +83,9 @@ def register(app: typer.Typer) -> None:
         if written.text is not None:
             console.print(f"text in: call [bold]{written.entry}[/bold] with a BYTES input 'text' (the tokenizer "
                           f"needs the tokenizers package in Triton's image: see {repo}/Dockerfile)", highlight=False)
+        if written.backend == "python":
+            console.print(f"{written.model_dir.name} runs attnx's runtime in Triton's Python backend: the stub's Python "
+                          f"needs attnx, onnxruntime and numpy<2 (see {repo}/Dockerfile and README.md)", highlight=False)
         if written.plugin is not None:
             console.print(f"plugin library: {written.plugin}", highlight=False)
         elif path.suffix != ".onnx":

@@ -6,7 +6,8 @@
     attnx explain model.onnx "..." --ablate --layer 3            # each head of layer 3 ablated + patching
     attnx explain model.onnx "..." --context a.json --against b.json   # two context values
 
-The work is in :mod:`attnx.interp.explain`; this module parses, prints and writes files.
+The work is in :mod:`attnx.explain` (numpy) and :mod:`attnx.interp` (opening the model, patching on torch);
+this module parses, prints and writes files.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _fmt(v) -> str:
 def _print_heads(ex, layer: int | None) -> None:
     from rich.table import Table
 
-    from attnx.interp.analysis import PATTERNS
+    from attnx.explain.analysis import PATTERNS
 
     short = {"previous_token": "prev", "first_token": "first/sink", "self": "self", "local_window": "local"}
     table = Table("layer", "head", "entropy", *[short[p] for p in PATTERNS],
@@ -100,10 +101,12 @@ def register(app: typer.Typer) -> None:
         """Per-head analysis of a deployed model on real text (entropy, previous-token, first-token/sink,
         self, local-window, primary pattern), an HTML page and PNG heatmaps; head ablation and patching;
         two context values compared."""
-        from attnx.interp.analysis import Standout
-        from attnx.interp.explain import ablation_table, compare_contexts, explain
-        from attnx.interp.page import explanation_page
-        from attnx.interp.source import open_source, read_context, reference_source
+        from attnx.explain.analysis import Standout
+        from attnx.explain.explanation import compare_contexts, explain
+        from attnx.explain.page import explanation_page
+        from attnx.explain.source import read_context
+        from attnx.interp.patching import ablation_table
+        from attnx.interp.source import open_source, reference_source
 
         texts = list(texts or [])
         if sentences:

@@ -273,7 +273,7 @@ def register(app: typer.Typer) -> None:
         for note in result.notes:
             console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
         if int8_weight_bits == 8:
-            from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+            from attnx.runtime.core.cpu import int8_dot_product, saturates_8bit_weights
 
             if saturates_8bit_weights():  # the file is fine; this CPU is the wrong one to serve it on
                 console.print(f"[yellow]note:[/yellow] this CPU's integer dot product is {int8_dot_product()}: "

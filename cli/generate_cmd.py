@@ -20,7 +20,7 @@ def model_file(model: Path, variant: Optional[str], lowering: str) -> Path:
     """The with-past file to run: ``model`` itself (``.onnx`` / ``.engine``), the one model in its folder, or,
     for a Hugging Face folder, its with-past export (made now, or reused when it is already in the working
     folder and newer than the folder's weights)."""
-    from attnx.runtime.encode import find_model_file
+    from attnx.runtime.core.encode import find_model_file
 
     if not model.exists():
         raise UserError(f"no model file or folder at {model}")
@@ -82,9 +82,9 @@ def register(app: typer.Typer) -> None:
         threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all CPUs)."),
     ) -> None:
         """Generate text from a decoder with its KV cache, streamed as it is made (greedy by default)."""
-        from attnx.runtime.decoding import NotAGenerator
-        from attnx.runtime.encode import TextModel
-        from attnx.runtime.sampling import SamplingError, sampling_params
+        from attnx.runtime.core.decoding import NotAGenerator
+        from attnx.runtime.core.encode import TextModel
+        from attnx.runtime.core.sampling import SamplingError, sampling_params
 
         try:
             params = sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -99,7 +99,7 @@ def register(app: typer.Typer) -> None:
         except NotAGenerator as e:
             raise UserError(str(e)) from None
         ids = text_model.tokenizer.tokenize([prompt], truncate=False)[0].ids
-        from attnx.runtime.generate import stream
+        from attnx.runtime.core.generate import stream
 
         started, first, count, reason = time.monotonic(), None, 0, None
         for piece in stream(decoder, text_model.tokenizer, ids, params):

@@ -6,6 +6,7 @@ the command bodies so `attnx --help` stays fast.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -25,7 +26,7 @@ def _seq_list(text: str) -> list[int]:
 
 
 def _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens):
-    from attnx.runtime.batcher import BatcherConfig
+    from attnx.runtime.core.batcher import BatcherConfig
 
     try:
         return BatcherConfig(
@@ -130,9 +131,10 @@ def register(app: typer.Typer) -> None:
         batching that pads requests of different lengths; text in for models with a tokenizer."""
         from rich.markup import escape
 
-        from attnx.runtime.axes import AxisError, AxisFlags
-        from attnx.runtime.protocol import Limits
-        from attnx.runtime.server import InferenceServer
+        from attnx.runtime.core.axes import AxisError, AxisFlags
+        from attnx.runtime.server import InferenceServer, check_ports
+        from attnx.runtime.wire.auth import ENV_VAR, ApiKey
+        from attnx.runtime.wire.limits import Limits
 
         files = _model_files(models)
         batching = _batching(max_batch, max_delay_ms, max_queue, timeout_ms, max_length_ratio, max_batch_tokens)
@@ -149,7 +151,14 @@ def register(app: typer.Typer) -> None:
                 raise UserError(f"{flag} must be >= 1, got {value}")
         limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq, max_texts=max_inputs,
                         max_request_tokens=max_request_tokens)
-        from attnx.runtime.embeddings import Dimensions
+        if api_key is None and os.environ.get(ENV_VAR) == "":
+            api_key = ""  # set but empty: refused below, never read as "no key"
+        if api_key is not None:
+            try:
+                ApiKey(api_key)
+            except ValueError as e:
+                raise UserError(f"--api-key / {ENV_VAR}: {e}") from None
+        from attnx.runtime.apis.encoding import Dimensions
 
         try:
             dims = Dimensions.parse(dimensions, files)
@@ -159,13 +168,18 @@ def register(app: typer.Typer) -> None:
             axes = AxisFlags.parse(batch_axis, seq_axis)
         except AxisError as e:
             raise UserError(str(e)) from None
-        from attnx.runtime.http_guard import HttpLimits
+        from attnx.runtime.wire.http_guard import HttpLimits
 
         try:
             http_limits = HttpLimits(max_header_bytes=int(max_header_kb * 1024), max_headers=max_headers,
                                      head_timeout_s=head_timeout_s)
         except ValueError as e:
             raise UserError(f"--max-header-kb / --max-headers / --head-timeout-s: {e}") from None
+        if not describe:  # a busy port is found now, not after every model has loaded
+            try:
+                check_ports(host, port, grpc_port)
+            except OSError as e:
+                raise UserError(str(e.strerror or e)) from None
         server = InferenceServer(
             files, host=host, port=port, grpc_port=grpc_port, batching=batching, limits=limits, device=device,
             threads=threads, log_level=log_level, tokenizers=_tokenizer_dirs(tokenizer, files), axes=axes,
@@ -175,14 +189,18 @@ def register(app: typer.Typer) -> None:
         if describe:
             console.print(server.describe(), markup=False, highlight=False, soft_wrap=True)
             return
-        server.bind()
+        try:
+            server.bind()
+        except OSError as e:
+            raise UserError(str(e.strerror or e)) from None
         for name, model in server.models.items():
-            text = " text in" if model.tokenizer is not None else ""
-            err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}){text}")
-        for name, gen in server.generators.items():
-            err_console.print(f"model [bold]{name}[/bold]: {gen.session.path} ({gen.session.provider}) generates text"
-                              f" (up to {gen.scheduler.max_batch} sequences per decoding step"
-                              f"{', chat template' if gen.chat_template else ''})")
+            if name in server.generators:
+                err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}) "
+                                  f"generates text (up to {model.scheduler.max_batch} sequences per decoding step"
+                                  f"{', chat template' if model.chat else ''})")
+            else:
+                text = " text in" if model.tokenizer is not None else ""
+                err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}){text}")
         err_console.print(
             f"max batch {max_batch}, max delay {max_delay_ms} ms, queue {max_queue}; "
             "Ctrl-C stops after in-flight requests finish"
@@ -302,8 +320,8 @@ def _specs_from_metadata(meta: dict):
     import numpy as np
 
     from attnx.contract import BATCH, SEQ, default_role
-    from attnx.runtime.protocol import TRITON_TO_NUMPY
-    from attnx.runtime.session import TensorSpec
+    from attnx.runtime.apis.kserve_tensors import TRITON_TO_NUMPY
+    from attnx.runtime.core.session import TensorSpec
 
     specs = []
     for t in meta.get("inputs", []):

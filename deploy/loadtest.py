@@ -2,7 +2,7 @@
 
 Targets:
 
-- :class:`InProcessTarget`: a :class:`~attnx.runtime.batcher.DynamicBatcher` in this
+- :class:`InProcessTarget`: a :class:`~attnx.runtime.core.batcher.DynamicBatcher` in this
   process (measures the runtime itself, no HTTP).
 - :class:`HttpTarget`: a running server (``attnx serve`` or Triton) through the
   unmodified ``tritonclient.http`` client, binary tensors.
@@ -27,37 +27,10 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from attnx.contract import BATCH, SEQ, Role
-from attnx.runtime.protocol import TEXT_INPUT
-from attnx.runtime.session import TensorSpec
-
-
-def synthetic_feeds(
-    inputs: Sequence[TensorSpec], batch: int, seq: int, rng: np.random.Generator, *, length: int | None = None
-) -> dict[str, np.ndarray]:
-    """Valid random inputs for a model: unit-scale floats, a mask of ``length`` ones then padding.
-
-    Integer context inputs (type ids) are zeros, always in range. Unnamed dynamic
-    dims get size 1.
-    """
-    feeds: dict[str, np.ndarray] = {}
-    for spec in inputs:
-        shape = [batch if d == BATCH else seq if d == SEQ else d if isinstance(d, int) else 1 for d in spec.shape]
-        dtype = np.dtype(spec.dtype)
-        if spec.role == Role.ATTENTION_MASK:
-            arr = np.zeros(shape, dtype=dtype)
-            arr[..., : (length or seq)] = 1
-        elif spec.role == Role.HEAD_MASK:
-            arr = np.ones(shape, dtype=dtype)  # no head ablated
-        elif dtype.kind == "f":
-            scale = 1.0 if spec.role == Role.HIDDEN_STATES else (0.05 if "trace" in spec.name else 0.5)
-            arr = (rng.standard_normal(shape) * scale).astype(dtype)
-        elif dtype.kind == "b":
-            arr = np.ones(shape, dtype=dtype)
-        else:
-            arr = np.zeros(shape, dtype=dtype)
-        feeds[spec.name] = arr
-    return feeds
+from attnx.contract import SEQ, Role
+from attnx.feeds import synthetic_feeds
+from attnx.runtime.core.session import TensorSpec
+from attnx.runtime.core.text import TEXT_INPUT
 
 
 @dataclass
@@ -292,7 +265,7 @@ class TextInProcessTarget:
         self.outputs = list(outputs) if outputs else None
 
     def factory(self) -> Call:
-        from attnx.runtime.text import text_feeds
+        from attnx.runtime.core.text import text_feeds
 
         inputs = self.batcher.session.inputs
 

@@ -13,6 +13,13 @@ and for an export that carries a tokenizer (:mod:`attnx.deploy.text_ensemble`) t
 ``<name>_model``, next to ``<name>_tokenizer/`` (Python backend: ``1/model.py``, ``1/tokenizer/``) and
 the ensemble ``<name>/``, plus a ``Dockerfile`` adding the ``tokenizers`` package to Triton's image.
 
+The model runs on Triton's ONNX Runtime backend (``.onnx``) or TensorRT backend (an engine), or,
+with ``backend="python"`` (``attnx triton-repo --backend python``), on attnx's own runtime inside
+Triton's Python backend (:mod:`attnx.deploy.runtime_model`, shipped as ``1/model.py`` beside the model
+file): for a Triton without the ONNX Runtime backend, attnx's custom ops on the stub's ONNX Runtime,
+or an attnx engine; it pads requests of different lengths into one batch (``allow_ragged_batch``) and
+fills left-out inputs as ``attnx serve`` does (``optional``).
+
 Every path is checked before anything is written: the model name must be a plain folder name,
 external data and tokenizer files named inside the export must stay in its folder, and a model
 folder is only replaced when attnx wrote it and it does not hold the files being copied. The models
@@ -38,6 +45,7 @@ from attnx.deploy.triton import (
     ConfigError,
     check_model_name,
     model_config,
+    python_model_config,
     schema_problem,
     to_pbtxt,
     validate_config,
@@ -47,6 +55,8 @@ from attnx.deploy.triton import (
 PLATFORMS = {".onnx": ("onnxruntime_onnx", "model.onnx"),
              ".engine": ("tensorrt_plan", "model.plan"),
              ".plan": ("tensorrt_plan", "model.plan")}
+#: ``--backend``: what runs the model, by the name Triton gives the backend.
+BACKENDS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "python": "python"}
 #: The first line of every config.pbtxt attnx writes: only such model folders are ever replaced.
 MARK = "# Written by attnx triton-repo"
 DEFAULT_MAX_BATCH = 32
@@ -65,6 +75,7 @@ class Repository:
     validated: bool = False
     manifest: Path | None = None  # kserve.yaml, when asked for
     manifest_checked: bool = False
+    backend: str = "onnxruntime"  # what runs the model: onnxruntime, tensorrt or python
 
     @property
     def model_dir(self) -> Path:
@@ -85,6 +96,8 @@ class _Source:
     profiles: dict
     info: ModelInfo | None  # the export's metadata (an engine's: its source ONNX's)
     info_dir: Path | None  # the folder of the file the metadata came from
+    onnx: Path | None = None  # an engine's source ONNX, when found
+    sidecar: dict = field(default_factory=dict)  # an engine's build sidecar
 
 
 def find_plugin_library() -> Path | None:
@@ -127,8 +140,9 @@ def _source_onnx(engine: Path, onnx_path: Path | None, sidecar: dict) -> Path | 
 
 def read_source(model_path: Path, onnx_path: Path | None = None) -> _Source:
     """Check the model file (and an engine's sidecar and source ONNX); one clear error for any problem."""
-    from attnx.runtime.backends.onnxrt import onnx_io_specs
-    from attnx.runtime.backends.tensorrt import engine_io_specs
+    from attnx.runtime.core.axes import resolve_axes
+    from attnx.runtime.core.backends.onnxrt import onnx_io_specs
+    from attnx.runtime.core.backends.tensorrt import engine_io_specs
 
     suffix = model_path.suffix.lower()
     if suffix not in PLATFORMS:
@@ -138,7 +152,9 @@ def read_source(model_path: Path, onnx_path: Path | None = None) -> _Source:
     platform, filename = PLATFORMS[suffix]
     if suffix == ".onnx":
         proto = load_onnx(model_path)
-        inputs, outputs = onnx_io_specs(model_path)
+        # A foreign file's batch/sequence dims go by other names (batch_size, sequence_length): the
+        # names attnx serve reads as batch and seq are read here too, so Triton batches it as well.
+        inputs, outputs, _ = resolve_axes(*onnx_io_specs(model_path))
         info = ModelInfo.read(proto)
         return _Source(model_path, platform, filename, inputs, outputs, _external_data(model_path, proto),
                        dict(info.profiles) if info else {}, info, model_path.parent)
@@ -150,7 +166,7 @@ def read_source(model_path: Path, onnx_path: Path | None = None) -> _Source:
     info = ModelInfo.read(source) if source is not None else None
     profiles = sidecar.get("profiles") or (dict(info.profiles) if info else {})
     return _Source(model_path, platform, filename, inputs, outputs, [], profiles, info,
-                   source.parent if source is not None else None)
+                   source.parent if source is not None else None, source, dict(sidecar))
 
 
 def _tokenizer_folder(source: _Source) -> tuple[Path, list[Path]]:
@@ -213,6 +229,7 @@ def write_repository(
     max_length: int | None = None,
     pad_to_multiple_of: int = 16,
     kserve: KServeOptions | None = None,
+    backend: str | None = None,
 ) -> Repository:
     """Write (or add to) a Triton model repository (see the module doc).
 
@@ -223,6 +240,8 @@ def write_repository(
     ``max_length`` (text models): truncate below the export's maximum length, e.g. to fit an engine's
     seq profile. ``pad_to_multiple_of``: the tokenizer's length buckets. ``kserve``: also write
     ``kserve.yaml``, an InferenceService for the repository (:mod:`attnx.deploy.kserve`).
+    ``backend``: ``onnxruntime`` (an ``.onnx``'s default), ``tensorrt`` (an engine's) or ``python``
+    (attnx's runtime in Triton's Python backend, either file).
     """
     model_path, repo = Path(model_path), Path(out_dir)
     name = name if name is not None else model_path.stem
@@ -231,6 +250,7 @@ def write_repository(
     except ConfigError as e:
         raise ConfigError(f"{e} (pass --name)" if name == model_path.stem else str(e)) from None
     source = read_source(model_path, Path(onnx_path) if onnx_path else None)
+    backend = _backend(source, backend)
     is_text = source.info is not None and source.info.tokenizer is not None
     names = text.TextNames.of(name) if is_text else None
     batch = _max_batch(source, max_batch_size)
@@ -242,10 +262,18 @@ def write_repository(
         plugin = find_plugin_library()
 
     net_name = names.model if names else name
-    configs: dict[str, dict[str, Any]] = {net_name: model_config(
+    pad_id = source.info.tokenizer.get("pad_id") if is_text else None  # type: ignore[union-attr]
+    net_config = model_config(
         net_name, (source.inputs, source.outputs), platform=source.platform, max_batch_size=batch,
         max_queue_delay_us=max_queue_delay_us, max_queue_size=max_queue_size, instance_kind=instance_kind,
-        instance_count=instance_count, default_model_filename=source.filename)}
+        instance_count=instance_count, default_model_filename=source.filename)
+    if backend == "python":
+        engine = source.platform == "tensorrt_plan"
+        net_config = python_model_config(
+            net_config, source.inputs, source.outputs, model_file=source.filename, pad_id=pad_id, text_fed=is_text,
+            onnx_file="model.onnx" if engine and not _sidecar_lists_io(source.sidecar) else None,
+            plugin=f"plugins/{plugin.name}" if plugin and engine else None, gpu=engine)
+    configs: dict[str, dict[str, Any]] = {net_name: net_config}
     tokenizer_dir, tokenizer_files = None, []
     if names is not None:
         tokenizer_dir, tokenizer_files = _tokenizer_folder(source)
@@ -257,10 +285,12 @@ def write_repository(
                              f"profile stops at {seq_max}: rebuild it with --shapes seq=1,128,{tokenization.max_length} "
                              f"or pass --max-length {seq_max} (longer texts are then cut there)")
         roles = text.id_inputs(source.inputs)
-        configs[names.tokenizer] = text.tokenizer_config(names, configs[net_name], roles, tokenization,
+        context, pairs = text.defaulted_context(source.inputs), text.scores_pairs(source.outputs)
+        configs[names.tokenizer] = text.tokenizer_config(names, net_config, roles, tokenization,
                                                          max_queue_delay_us=max_queue_delay_us,
-                                                         instance_count=instance_count)
-        configs[names.ensemble] = text.ensemble_config(names, configs[net_name], roles, source.outputs)
+                                                         instance_count=instance_count, context=context, pairs=pairs)
+        configs[names.ensemble] = text.ensemble_config(names, net_config, roles, source.outputs,
+                                                       context=context, pairs=pairs)
     elif max_length is not None:
         raise ValueError("--max-length applies to a model that carries a tokenizer; this one takes no text")
 
@@ -272,8 +302,9 @@ def write_repository(
         if names is not None:
             validate_ensemble(parsed[names.ensemble], parsed)
 
+    engine_files = _engine_companions(source) if backend == "python" and source.platform == "tensorrt_plan" else {}
     copied = [source.path, *(f for f, _ in source.external), *([tokenizer_dir] if tokenizer_dir else []),
-              *([plugin] if plugin else [])]
+              *([plugin] if plugin else []), *engine_files.values()]
     _check_destination(repo, list(configs), copied)
 
     def fill(staged: dict[str, Path]) -> None:
@@ -284,6 +315,10 @@ def write_repository(
             target = contained(version_dir, location, "external data location")
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(file, target)
+        for target, file in engine_files.items():
+            shutil.copy2(file, version_dir / target)
+        if backend == "python":
+            shutil.copy2(Path(text.__file__).with_name("runtime_model.py"), version_dir / "model.py")
         if plugin is not None:
             (staged[net_name] / "plugins").mkdir()
             shutil.copy2(plugin, staged[net_name] / "plugins" / plugin.name)
@@ -299,14 +334,16 @@ def write_repository(
             (staged[n] / "config.pbtxt").write_text(t)
 
     root_files = {}
-    if names is not None:
-        root_files["Dockerfile"] = text.dockerfile()
+    if names is not None or backend == "python":
+        root_files["Dockerfile"] = text.dockerfile(attnx_runtime=backend == "python")
     kserve_checked = False
     if kserve is not None:
         engine = source.platform == "tensorrt_plan"
         manifest = repository_service(kserve, names.ensemble if names else name,
-                                      gpu=engine or instance_kind == "KIND_GPU", text_model=names is not None,
-                                      plugins=[f"{net_name}/plugins/{plugin.name}"] if plugin and engine else [])
+                                      gpu=engine or instance_kind == "KIND_GPU",
+                                      text_model=names is not None or backend == "python",
+                                      plugins=[f"{net_name}/plugins/{plugin.name}"] if plugin and engine
+                                      and backend != "python" else [])
         if kserve_problem() is None:
             check_manifest(manifest)
             kserve_checked = True
@@ -314,7 +351,39 @@ def write_repository(
     _install(repo, list(configs), fill, root_files)
     return Repository(repo, names.ensemble if names else name, {n: repo / n for n in configs}, names,
                       repo / net_name / "plugins" / plugin.name if plugin else None, bool(validated),
-                      repo / "kserve.yaml" if kserve else None, kserve_checked)
+                      repo / "kserve.yaml" if kserve else None, kserve_checked, backend)
+
+
+def _backend(source: _Source, asked: str | None) -> str:
+    """What runs the model: as asked, or the file's own (ONNX Runtime for .onnx, TensorRT for an engine)."""
+    own = "tensorrt" if source.platform == "tensorrt_plan" else "onnxruntime"
+    if asked is None:
+        return own
+    if asked not in BACKENDS:
+        raise ValueError(f"unknown backend {asked!r}: onnxruntime, tensorrt or python")
+    if asked not in (own, "python"):
+        raise ValueError(f"{source.path.name} runs on Triton's {own} backend or attnx's (python), not {asked}")
+    return asked
+
+
+def _sidecar_lists_io(sidecar: dict) -> bool:
+    return isinstance(sidecar.get("inputs"), list) and isinstance(sidecar.get("outputs"), list)
+
+
+def _engine_companions(source: _Source) -> dict[str, Path]:
+    """What an engine needs beside it in the Python backend: its sidecar (size, sha256, tensors), and its
+    source ONNX when the sidecar does not list the tensors."""
+    from attnx.contract import sidecar_path
+
+    files = {}
+    if sidecar_path(source.path).is_file():
+        files[f"{source.filename}.json"] = sidecar_path(source.path)
+    if not _sidecar_lists_io(source.sidecar):
+        if source.onnx is None:
+            raise ValueError(f"{source.path.name}: the Python backend needs the engine's tensors: pass --onnx with the "
+                             "ONNX it was built from")
+        files["model.onnx"] = source.onnx
+    return files
 
 
 def _install(repo: Path, names: list[str], fill, root_files: dict[str, str]) -> None:

@@ -14,10 +14,22 @@ metadata:
   (capped at ``max_length``). Triton's dynamic batcher only merges requests of equal shape, so
   a few length buckets let requests of different lengths share a batch downstream;
 - ``text_input`` and ``outputs``: the input's name and ``{output name: role}`` (``input_ids``,
-  ``attention_mask``, ``token_type_ids``), as the model after it names its inputs.
+  ``attention_mask``, ``token_type_ids``), as the model after it names its inputs;
+- ``pair_input`` (classifiers, cross-encoders): an optional second text per row, tokenised with the
+  first as a pair in the tokenizer's own template (BERT: ``[CLS] a [SEP] b [SEP]``), truncated
+  longest-first, as sentence-transformers' CrossEncoder and ``attnx serve`` do;
+- ``context``: ``{name: "zeros" | "ones"}``, the model's context inputs that a request may leave out
+  (a neutral placed variant's ``self_state``, ``trace``): each is an optional input here and an output
+  of the same name, passed through when given, else filled with the default for the request's rows
+  (a ``seq`` dim, ``-1`` in the config, takes the padded length), as ``attnx serve`` fills them.
 
-A request that is not valid (a text that is not UTF-8, an empty text, no text) gets its own error
-response; the other requests of the same batch are answered as usual.
+A request that is not valid (a text that is not UTF-8, an empty text, no text, a context input
+with the wrong number of rows) gets its own error response; the other requests of the same batch
+are answered as usual.
+
+:func:`check_stub_numpy` refuses, at load, a Python-backend stub that cannot exchange arrays with the
+installed numpy (Triton 2.51's stub reads numpy 2 arrays with numpy 1's layout: every element of an
+input would read as its first).
 """
 
 from __future__ import annotations
@@ -51,6 +63,8 @@ class TokenizerSettings:
         self.pad_to_multiple_of = max(1, int(parameters.get("pad_to_multiple_of", "1")))
         self.text_input = need("text_input")
         self.outputs = json.loads(need("outputs"))  # {output name: role}
+        self.pair_input = parameters.get("pair_input") or None
+        self.context = json.loads(parameters.get("context") or "{}")  # {name: "zeros" | "ones"}
         if self.max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {self.max_length}")
         if self.truncation_side not in ("left", "right"):
@@ -58,6 +72,9 @@ class TokenizerSettings:
         unknown = sorted(set(self.outputs.values()) - set(ROLES))
         if unknown:
             raise ValueError(f"unknown output roles {unknown}; known: {', '.join(ROLES)}")
+        odd = sorted(n for n, fill in self.context.items() if fill not in ("zeros", "ones"))
+        if odd:
+            raise ValueError(f"context inputs {odd} have a default other than zeros or ones")
 
 
 def load_tokenizer(path: Path, settings: TokenizerSettings):
@@ -95,8 +112,9 @@ def padded_length(longest: int, settings: TokenizerSettings) -> int:
     return max(1, min(-(-longest // multiple) * multiple, settings.max_length))
 
 
-def encode(tokenizer, texts: list[str], settings: TokenizerSettings) -> dict[str, np.ndarray]:
-    """``{role: int64 [len(texts), L]}`` for ``texts``, right-padded with ``pad_id`` to one length ``L``."""
+def encode(tokenizer, texts: list, settings: TokenizerSettings) -> dict[str, np.ndarray]:
+    """``{role: int64 [len(texts), L]}`` for ``texts`` (strings, or ``(first, second)`` pairs), right-padded
+    with ``pad_id`` to one length ``L``."""
     encodings = tokenizer.encode_batch(texts)
     length = padded_length(max(len(e.ids) for e in encodings), settings)
     ids = np.full((len(texts), length), settings.pad_id, dtype=np.int64)
@@ -121,27 +139,73 @@ class TritonPythonModel:
         path = (version_dir / self.settings.tokenizer_file).resolve()
         if not path.is_relative_to(version_dir):
             raise ValueError(f"tokenizer_file {self.settings.tokenizer_file!r} is outside {version_dir}")
+        check_stub_numpy()
         self.tokenizer = load_tokenizer(path, self.settings)
         self.dtypes = {o["name"]: pb_utils.triton_string_to_numpy(o["data_type"]) for o in config["output"]}
+        # Dims past the batch dim (the config's; a batched config leaves the batch dim out).
+        batched = int(config.get("max_batch_size", 0)) > 0
+        self.context_dims = {o["name"]: [int(d) for d in o["dims"]][0 if batched else 1:]
+                             for o in config["output"] if o["name"] in self.settings.context}
 
     def execute(self, requests: list) -> list:
         responses = []
         for request in requests:
             try:
-                tensor = pb_utils.get_input_tensor_by_name(request, self.settings.text_input)
-                if tensor is None:
-                    raise ValueError(f"missing input {self.settings.text_input!r}")
-                by_role = encode(self.tokenizer, decode_texts(tensor.as_numpy()), self.settings)
+                outputs = self._one(request)
             except ValueError as e:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[], error=_invalid_argument(str(e))))
                 continue
             responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(name, by_role[role].astype(self.dtypes[name], copy=False))
-                for name, role in self.settings.outputs.items()]))
+                pb_utils.Tensor(name, array.astype(self.dtypes[name], copy=False)) for name, array in outputs.items()]))
         return responses
+
+    def _one(self, request) -> dict[str, np.ndarray]:
+        """One request's outputs: the model's id inputs, and its context inputs given or filled."""
+        settings = self.settings
+        tensor = pb_utils.get_input_tensor_by_name(request, settings.text_input)
+        if tensor is None:
+            raise ValueError(f"missing input {settings.text_input!r}")
+        texts = decode_texts(tensor.as_numpy())
+        pair = pb_utils.get_input_tensor_by_name(request, settings.pair_input) if settings.pair_input else None
+        if pair is not None:
+            seconds = decode_texts(pair.as_numpy())
+            if len(seconds) != len(texts):
+                raise ValueError(f"{settings.pair_input!r} has {len(seconds)} texts for {len(texts)} rows of "
+                                 f"{settings.text_input!r}: one second text per row")
+            texts = list(zip(texts, seconds))
+        by_role = encode(self.tokenizer, texts, settings)
+        outputs = {name: by_role[role] for name, role in settings.outputs.items()}
+        length = next(iter(by_role.values())).shape[1]
+        for name, fill in settings.context.items():
+            given = pb_utils.get_input_tensor_by_name(request, name)
+            if given is not None:
+                array = given.as_numpy()
+                if array.shape[:1] != (len(texts),):
+                    raise ValueError(f"input {name!r} has {array.shape[0] if array.ndim else 0} rows for "
+                                     f"{len(texts)} texts")
+                outputs[name] = array
+            else:
+                dims = [len(texts)] + [length if d == -1 else d for d in self.context_dims[name]]
+                outputs[name] = np.full(dims, 0 if fill == "zeros" else 1, dtype=self.dtypes[name])
+        return outputs
 
     def finalize(self) -> None:
         self.tokenizer = None
+
+
+def check_stub_numpy() -> None:
+    """Refuse a Python-backend stub that reads this numpy's arrays wrongly, before it serves a request.
+
+    Triton 2.51's stub (the one in nvidia-pytriton 0.7.0, at least) was built for numpy 1's array
+    layout: with numpy 2 installed, an array made inside the stub from a tensor reads every element as
+    the first ([1, 2, 3] comes back [1, 1, 1]) and outputs are refused. The probe makes a tensor in C++
+    (from another tensor's DLPack) and reads it back."""
+    probe = np.arange(1, 4, dtype=np.int64)
+    back = pb_utils.Tensor.from_dlpack("probe", pb_utils.Tensor("probe", probe)).as_numpy()
+    if back.tolist() != probe.tolist():
+        raise RuntimeError(f"this Triton Python-backend stub reads numpy {np.__version__} arrays wrongly ({probe.tolist()} "
+                           f"came back {back.tolist()}): install numpy<2 in the Python the stub runs, or use a Triton "
+                           "release whose stub supports numpy 2")
 
 
 def _invalid_argument(message: str):

@@ -1,7 +1,8 @@
 """Triton Inference Server model configs: written as protobuf text, checked with Triton's own schema.
 
 :func:`model_config` gives the ``ModelConfig`` of an ONNX Runtime or TensorRT model (the one
-``attnx serve`` reports too), :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
+``attnx serve`` reports too), :func:`python_model_config` its form for attnx's runtime in Triton's
+Python backend, :func:`to_pbtxt` writes it, :func:`validate_config` parses it with
 Triton's ``ModelConfig`` message (``model_config_pb2``, shipped inside ``tritonclient``) and adds
 the checks Triton makes at load time that the schema alone does not, and
 :func:`validate_ensemble` checks an ensemble against the models it composes. The repository
@@ -16,28 +17,10 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-
-from attnx.contract import BATCH
-from attnx.runtime.session import Session, TensorSpec
-
-#: numpy dtype -> Triton ``DataType`` enum name.
-TRITON_TYPES = {
-    "bool": "TYPE_BOOL",
-    "uint8": "TYPE_UINT8",
-    "uint16": "TYPE_UINT16",
-    "uint32": "TYPE_UINT32",
-    "uint64": "TYPE_UINT64",
-    "int8": "TYPE_INT8",
-    "int16": "TYPE_INT16",
-    "int32": "TYPE_INT32",
-    "int64": "TYPE_INT64",
-    "float16": "TYPE_FP16",
-    "float32": "TYPE_FP32",
-    "float64": "TYPE_FP64",
-    "bfloat16": "TYPE_BF16",
-    "object": "TYPE_STRING",  # BYTES tensors (texts) are numpy object arrays
-}
+from attnx.contract import Role
+from attnx.runtime.core.session import TensorSpec
+# The config itself is the server's too (GET /v2/models/{m}/config); deploy writes and checks it.
+from attnx.runtime.apis.model_config import ConfigError, Enum, model_config  # noqa: F401 (model_config: deploy's too)
 
 PLATFORMS = {".onnx": ("onnxruntime_onnx", "onnxruntime", "model.onnx"),
              ".engine": ("tensorrt_plan", "tensorrt", "model.plan"),
@@ -51,10 +34,6 @@ MAP_FIELDS = ("parameters", "input_map", "output_map")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-class ConfigError(ValueError):
-    """A config.pbtxt that Triton's schema (or a basic sanity check) rejects."""
-
-
 def check_model_name(name: str) -> str:
     """``name`` when it can be a folder of the repository and a URL path segment; else a ConfigError."""
     if not isinstance(name, str) or not _MODEL_NAME.fullmatch(name) or ".." in name:
@@ -63,79 +42,36 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def triton_type(dtype) -> str:
-    """Triton's ``DataType`` name of a numpy dtype (one clear error for a type Triton has not)."""
-    name = np.dtype(dtype).name
-    if name not in TRITON_TYPES:
-        raise ConfigError(f"Triton has no data type for numpy {name}")
-    return TRITON_TYPES[name]
+def python_model_config(config: dict[str, Any], inputs: list[TensorSpec], outputs: list[TensorSpec], *,
+                        model_file: str, pad_id: int | None = None, text_fed: bool = False, onnx_file: str | None = None,
+                        plugin: str | None = None, gpu: bool = False) -> dict[str, Any]:
+    """``config`` (a :func:`model_config`) for attnx's runtime in Triton's Python backend
+    (:mod:`attnx.deploy.runtime_model`): ``backend: "python"``; sequence inputs ``allow_ragged_batch``
+    where attnx can pad them (it merges requests of different lengths); inputs it fills when left out
+    ``optional`` (context inputs with a metadata default; the mask and segment ids too, unless a
+    tokenizer step always sends them, ``text_fed``). ``gpu``: instances on GPUs (an engine)."""
+    from attnx.runtime import BatchLayout
 
-
-class Enum(str):
-    """A protobuf enum value: written bare in text format (``TYPE_FP32``, not ``"TYPE_FP32"``)."""
-
-
-# --------------------------------------------------------------------------------------
-# The config, as a dict shaped like Triton's ModelConfig message
-# --------------------------------------------------------------------------------------
-
-
-def _tensor_config(spec: TensorSpec, batched: bool) -> dict[str, Any]:
-    dims = [d if isinstance(d, int) else -1 for axis, d in enumerate(spec.shape) if not (batched and axis == 0)]
-    entry: dict[str, Any] = {"name": spec.name, "data_type": Enum(triton_type(spec.dtype))}
-    if dims:
-        entry["dims"] = dims
-    else:
-        # A [batch] tensor has no dims left once batch is implicit; Triton's idiom for it is
-        # dims [1] reshaped to [] (the model sees [batch]).
-        entry["dims"] = [1]
-        entry["reshape"] = {"shape": []}
-    return entry
-
-
-def model_config(
-    name: str,
-    model: Session | tuple[list[TensorSpec], list[TensorSpec]],
-    *,
-    platform: str | None = None,
-    max_batch_size: int = 32,
-    max_queue_delay_us: int = 2000,
-    max_queue_size: int | None = None,
-    instance_kind: str = "KIND_AUTO",
-    instance_count: int = 1,
-    default_model_filename: str | None = None,
-    parameters: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """Triton's ModelConfig for a model, as a dict (field names as in model_config.proto).
-
-    Batch is implicit (``max_batch_size`` > 0) when every input and output has it
-    as its first dim; otherwise ``max_batch_size`` is 0 and dims include it.
-    """
-    if isinstance(model, Session):
-        inputs, outputs = model.inputs, model.outputs
-        platform = platform or model.platform
-    else:
-        inputs, outputs = model
-    platform = platform or "onnxruntime_onnx"
-    batched = max_batch_size > 0 and all(s.shape[:1] == (BATCH,) for s in list(inputs) + list(outputs))
-    config: dict[str, Any] = {
-        "name": name,
-        "platform": platform,
-        "max_batch_size": max_batch_size if batched else 0,
-        "input": [_tensor_config(s, batched) for s in inputs],
-        "output": [_tensor_config(s, batched) for s in outputs],
-    }
-    if batched:
-        dyn: dict[str, Any] = {"max_queue_delay_microseconds": int(max_queue_delay_us)}
-        if max_queue_size:
-            dyn["default_queue_policy"] = {"max_queue_size": int(max_queue_size)}
-        config["dynamic_batching"] = dyn
-    config["instance_group"] = [{"kind": Enum(instance_kind), "count": int(instance_count)}]
-    if default_model_filename:
-        config["default_model_filename"] = default_model_filename
-    if parameters:
-        config["parameters"] = {k: {"string_value": v} for k, v in parameters.items()}
-    return config
+    can_pad = BatchLayout(inputs, outputs).can_pad
+    specs = {s.name: s for s in inputs}
+    declared = []
+    for entry in config["input"]:
+        spec = specs[entry["name"]]
+        fills = spec.default in ("zeros", "ones") or (
+            not text_fed and spec.role in (Role.ATTENTION_MASK, Role.TOKEN_TYPE_IDS))
+        ragged = config["max_batch_size"] > 0 and can_pad and spec.seq_axis is not None
+        declared.append({**entry, **({"optional": True} if fills else {}),
+                         **({"allow_ragged_batch": True} if ragged else {})})
+    params = {"model_file": model_file, **({"onnx_file": onnx_file} if onnx_file else {}),
+              **({"pad_id": str(int(pad_id))} if pad_id is not None else {}), "max_length_ratio": "1.5",
+              **({"plugin_library": plugin} if plugin else {})}
+    out: dict[str, Any] = {"name": config["name"], "backend": "python", "max_batch_size": config["max_batch_size"],
+                           "input": declared, "output": config["output"]}
+    out.update({k: v for k, v in config.items() if k not in (*out, "platform", "default_model_filename")})
+    if gpu:
+        out["instance_group"] = [{**g, "kind": Enum("KIND_GPU")} for g in out["instance_group"]]
+    out["parameters"] = {k: {"string_value": v} for k, v in params.items()}
+    return out
 
 
 def _quote(s: str) -> str:
@@ -292,9 +228,12 @@ def _ensemble_problems(message) -> list[str]:
 def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
     """Check a parsed ensemble config against the parsed configs of the models it composes (``{name:
     ModelConfig}``): every step's model exists, maps only its real inputs and outputs, gets every
-    input it needs with the data type it declares, and batches at least as far as the ensemble."""
+    input it needs with the data type it declares (never from an ensemble input a request may leave
+    out), and batches at least as far as the ensemble."""
     problems = []
     tensor_types = {t.name: t.data_type for t in ensemble.input}
+    # Tensors a request may leave out: Triton then runs the step that reads one without that input.
+    maybe_absent = {t.name for t in ensemble.input if t.optional}
     for step in ensemble.ensemble_scheduling.step:
         model = models.get(step.model_name)
         if model is None:
@@ -310,6 +249,9 @@ def validate_ensemble(ensemble, models: Mapping[str, Any]) -> None:
         unfed = sorted(n for n, t in inputs.items() if n not in step.input_map and not t.optional)
         if unfed:
             problems.append(f"{step.model_name} inputs {unfed} are not mapped")
+        absent = sorted(k for k, v in step.input_map.items() if v in maybe_absent and k in inputs and not inputs[k].optional)
+        if absent:
+            problems.append(f"{step.model_name} needs {absent}, which the ensemble lets a request leave out")
         for key, value in step.output_map.items():
             if key not in outputs:
                 problems.append(f"{step.model_name} has no output {key!r}")

@@ -64,7 +64,7 @@ from attnx.engine.network import (
 from attnx.engine.plugins import PluginLibrary, load_plugins, resolve_plugin_library
 from attnx.engine.profiles import parse_shapes, resolve_profiles
 from attnx.engine.runner import Engine, IOTensor, deserialize, load_engine, runnable_here
-from attnx.engine.targets import DEFAULT_TARGET, apply_target, default_target, parse_target
+from attnx.engine.targets import DEFAULT_TARGET, apply_target, default_target, parse_target, target_name
 
 __all__ = [
     "BACKEND_ENV", "INSTALL_HINT", "BackendInfo", "select_backend", "backend", "is_available", "reset_backend",
@@ -74,7 +74,7 @@ __all__ = [
     "Logger", "get_logger", "PluginLibrary", "load_plugins", "resolve_plugin_library",
     "ParsedNetwork", "TensorInfo", "parse_onnx", "layer_type_counts", "network_inputs", "network_outputs",
     "custom_nodes", "prepare_attention",
-    "parse_shapes", "resolve_profiles", "DEFAULT_TARGET", "parse_target", "apply_target", "default_target",
+    "parse_shapes", "resolve_profiles", "DEFAULT_TARGET", "parse_target", "apply_target", "default_target", "target_name",
     "ensure_fp16", "fp16_path", "NetworkHook", "build_engine", "build", "EngineBuild", "parse_size",
     "default_engine_path", "Engine", "IOTensor", "deserialize", "load_engine", "runnable_here",
 ]

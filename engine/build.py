@@ -164,9 +164,10 @@ def _bindings(info: ModelInfo | None, proto) -> tuple[list[dict], list[dict]]:
     return [one(i, True) for i in ins], [one(o, False) for o in outs]
 
 
-def _plugin_record(plugins, needed: int, console, build_plugins: bool):
+def _plugin_record(plugins, needed: int, console, build_plugins: bool, target: str):
     """(library path or None, the sidecar's ``plugins`` entry)."""
-    lib = resolve_plugin_library(plugins, needed=needed > 0, console=console, build_missing=build_plugins)
+    lib = resolve_plugin_library(plugins, needed=needed > 0, console=console, build_missing=build_plugins,
+                                 target=target)
     if lib is None:
         return None, None
     try:
@@ -216,7 +217,7 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     step("plugins")
     customs = custom_nodes(proto)
     n_custom = sum(customs.values())
-    lib, plugin_info = _plugin_record(plugins, n_custom, console, build_plugins)
+    lib, plugin_info = _plugin_record(plugins, n_custom, console, build_plugins, target_label)
 
     profiles = merge_profiles(info.profiles if info is not None else None, shapes)
     dims_in_file = {d for _n, _t, dims in graph_io(proto)[0] for d in dims if isinstance(d, str)}

@@ -97,12 +97,13 @@ def clear_plugin_errors(library: PluginLibrary | None) -> None:
 
 
 def resolve_plugin_library(plugins: str | os.PathLike | None, *, needed: bool,
-                           console=None, build_missing: bool = True) -> Path | None:
+                           console=None, build_missing: bool = True, target: str | None = None) -> Path | None:
     """The plugin library to load: ``plugins`` when given (must exist), else the built one.
 
-    When none is built: builds it (``attnx.plugins.build()``) if the model needs it
-    (``needed``: it has attnx custom ops) and ``build_missing``; returns None for a model
-    without custom ops."""
+    When none is built: builds it (``attnx.plugins.build()``) if the model needs it (``needed``: it has
+    attnx custom ops) and ``build_missing``, for ``target`` only ("sm89"; every default architecture
+    when None), which takes a fraction of the full build; returns None for a model without custom
+    ops. A library built here earlier without ``target``'s architecture is rebuilt with it added."""
     from attnx import plugins as plugin_pkg  # noqa: PLC0415
 
     if plugins is not None:
@@ -111,13 +112,26 @@ def resolve_plugin_library(plugins: str | os.PathLike | None, *, needed: bool,
             raise EngineBuildError(f"plugin library {lib} does not exist (build it with `attnx plugins build`, "
                                    "or leave --plugins out to use the built one)")
         return lib.resolve()
+    arch = target.removeprefix("sm") if target and target.startswith("sm") else None
     lib = plugin_pkg.library_path()
-    if lib is not None or not needed:
+    if not needed:
         return lib
-    if not build_missing:
+    archs = None
+    if lib is not None:
+        built_for = (plugin_pkg.build_info(lib) or {}).get("cuda_archs")
+        if arch is None or built_for is None or arch in built_for or not build_missing:
+            return lib  # a library built elsewhere (no build record) is the user's to keep
+        archs = [*built_for, arch]
+    elif not build_missing:
         raise EngineBuildError("the attnx plugin library is not built: run `attnx plugins build`")
+    elif arch is not None:
+        archs = [arch]
+    if console is not None:
+        what = f"sm{', sm'.join(archs)}" if archs else "every default GPU architecture"
+        console.print(f"compiling the attnx plugin library for {what} with nvcc (a minute or more; "
+                      "`attnx plugins build` makes it once for every architecture)", highlight=False)
     try:
-        return plugin_pkg.build(console=console)
+        return plugin_pkg.build(archs=archs, console=console)
     except plugin_pkg.PluginBuildError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else "unknown reason"
         raise EngineBuildError(f"the model needs the attnx plugin library, which is not built and could not be "

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from attnx.models import build_encoder
-from attnx.interp.analysis import analyze_heads, format_behaviors
+from attnx.explain.analysis import format_behaviors
+from attnx.interp.analysis import analyze_heads
 from attnx import pretrained
 from attnx.interp import patch_heads, run_with_cache
 from attnx.interp.visualize import save_attention_html, save_layer_pngs, visualize_text

@@ -1,10 +1,11 @@
 """ONNX export of attnx models with the attnx custom ops.
 
 Public names: ``export_variant``, ``export_encoder``, ``ExportResult``, ``to_fp16``, ``describe_model``,
-``load_checkpoint``, ``save_checkpoint``; custom-op plumbing in :mod:`attnx.export.ops`.
+``load_checkpoint``, ``save_checkpoint``; what the exporter does with custom ops in :mod:`attnx.export.ops`
+(variants declare theirs with :mod:`attnx.models.onnx_ops`).
 """
 
-from attnx.export.checkpoint import load_checkpoint, save_checkpoint
+from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.describe import describe_model
 from attnx.export.exporter import DEFAULT_OPTIONS, LOWERINGS, ExportResult, export_encoder, export_variant
 from attnx.export.fp16 import to_fp16

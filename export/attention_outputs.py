@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from attnx.contract import Role
-from attnx.interp.hooks import hooks
+from attnx.models.hooks import hooks
 from attnx.models.signature import InputSpec, OutputSpec
 
 

@@ -38,7 +38,7 @@ from attnx.export import fuse as fusions
 from attnx.export import graph as passes
 from attnx.export import onnx_file, ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
-from attnx.export.checkpoint import load_checkpoint, save_checkpoint
+from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 from attnx.export.staging import Staging, check_room
 from attnx.models.attention import attention_path

@@ -34,7 +34,7 @@ weights clip (255 * 127 * 2 > 32767: cosine 0.987 on "Ok."); weights in [-63, 63
 ``reduce_range``). So the default is 7-bit weights, exact on every CPU. ``weight_bits=8`` (CLI
 ``--int8-weight-bits 8``) is for CPUs whose integer dot product accumulates in int32 (VNNI, AMX,
 ARM): same speed, about half the weight rounding error (MiniLM worst sentence 0.991 -> 0.995);
-:mod:`attnx.runtime.cpu` says which CPU is which, and the runtime warns when such a file is loaded
+:mod:`attnx.runtime.core.cpu` says which CPU is which, and the runtime warns when such a file is loaded
 on one that clips. Measured (8x128, docs/performance.md): AVX2 without VNNI 1.4-1.55x fp32 (U8U8
 8-bit, which cannot saturate there, 1.20x: a slower kernel); AMX / AVX-512 VNNI 1.9x.
 """
@@ -303,10 +303,11 @@ def calibration_feeds(path, info) -> list[dict]:
     """One feed per :data:`CALIBRATION` sentence through the export's own tokenizer (batch 1, no
     padding); a model without a tokenizer: eight synthetic batches. Context inputs are random but valid."""
     from attnx.contract import Role
-    from attnx.deploy.loadtest import synthetic_feeds
-    from attnx.runtime.session import TensorSpec
+    from attnx.export.tokenizer import ExportTokenizer
+    from attnx.feeds import synthetic_feeds
+    from attnx.pretrained.sentences import CALIBRATION
 
-    specs = [TensorSpec(e.name, np.dtype(e.dtype), tuple(e.shape), e.role, e.range) for e in info.inputs]
+    specs = list(info.inputs)
     rng = np.random.default_rng(0)
     if not info.tokenizer:  # synthetic batches; token ids drawn over the whole vocabulary
         seq_max = int((info.profiles or {}).get("seq", (1, 1, 128))[2])  # a model's positions cap it
@@ -316,9 +317,6 @@ def calibration_feeds(path, info) -> list[dict]:
                 if spec.role == Role.INPUT_IDS and spec.range is not None:
                     feed[spec.name] = rng.integers(*spec.range, size=feed[spec.name].shape).astype(spec.dtype)
         return feeds
-    from attnx.parity.text_cases import ExportTokenizer
-    from attnx.pretrained.sentences import CALIBRATION
-
     feeds = []
     for enc in ExportTokenizer(path, info).encode(CALIBRATION):
         feed = synthetic_feeds(specs, 1, len(enc.ids), rng)

@@ -40,7 +40,7 @@ def model_from_config(config: dict) -> nn.Module:
 def load_reference(path: str | os.PathLike, source: str | os.PathLike | None = None) -> tuple[nn.Module, ModelInfo]:
     """``(model with the export's weights, its metadata)``; one clear error when it cannot be rebuilt.
     ``source``: the folder a pretrained export was made from, where it is not at the recorded path."""
-    from attnx.export.checkpoint import load_checkpoint
+    from attnx.models.checkpoint import load_checkpoint
 
     path = Path(path)
     info = ModelInfo.read(path)
@@ -101,7 +101,7 @@ def _from_source(path: Path, info: ModelInfo, weights: Path, source) -> nn.Modul
     """A pretrained export's reference: the source folder's model, the variant placed as recorded, the
     weights file's tensors (the variant's) on top."""
     from attnx import pretrained
-    from attnx.export.checkpoint import read_checkpoint
+    from attnx.models.checkpoint import read_checkpoint
     from attnx.pretrained.folder import SentenceTransformerInfo
     from attnx.pretrained.placing import Placement, place
 

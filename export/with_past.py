@@ -6,7 +6,7 @@ any state a variant keeps beside them, :mod:`attnx.models.cache`), and returns `
 ``present.{i}.*``: Optimum's and onnxruntime-genai's names, dims ``batch``, ``seq`` (new tokens), ``past``
 and ``total`` (past + new), all dynamic. ``attnx.cache`` in the metadata lists every cached tensor with
 its layer and grown axis, the special tokens and the positions, which is all a generation loop needs
-(:mod:`attnx.runtime.generation`).
+(:mod:`attnx.runtime.core.decoding`).
 
 By default it goes to its own folder, ``attnx-out/<name>-with-past/model.onnx``, with the weights, the
 tokenizer folder, and ``genai_config.json`` plus the tokenizer files onnxruntime-genai reads

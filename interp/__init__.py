@@ -1,16 +1,20 @@
-"""Interpretability on any attnx model, in PyTorch and on deployed exports.
+"""Interpretability on any attnx model in PyTorch, and the sources that open a model for explaining.
 
-- :mod:`attnx.interp.hooks`: hook points with TransformerLens' names, ``run_with_cache``,
-  ``run_with_hooks``.
-- :mod:`attnx.interp.patching`: activation patching and head ablation (torch).
-- :mod:`attnx.interp.analysis`: what each head does (entropy, previous-token, first-token/sink,
-  self, local-window scores, a primary pattern or "mixed"); numpy, so serving can use it.
-- :mod:`attnx.interp.source`: where patterns come from: an ONNX export, a running server, a torch model.
-- :mod:`attnx.interp.explain`: text -> patterns, analysis, head ablation, context comparison.
-- :mod:`attnx.interp.page`: the self-contained HTML page; :mod:`attnx.interp.visualize`: PNG heatmaps.
+- hook points with TransformerLens' names, ``run_with_cache``, ``run_with_hooks``: re-exported from
+  :mod:`attnx.models.hooks` (model code names its hook points, so they live with the models);
+- :mod:`attnx.interp.patching`: activation patching and head ablation (torch), and the ablation
+  table of ``attnx explain --ablate`` (the deployed model's head ablation beside the torch reference's
+  ablation and patching);
+- :mod:`attnx.interp.analysis`: run a torch model once and analyse its heads (the numbers:
+  :mod:`attnx.explain.analysis`);
+- :mod:`attnx.interp.source`: where patterns come from: an ONNX export (through the runtime), a running
+  server, a torch model (a Hugging Face folder, an export's reference);
+- :mod:`attnx.interp.visualize`: PNG heatmaps and the HTML page of a torch cache.
 
-The torch names are imported on first use, so the numpy parts (analysis, source, explain, page)
-load without torch: the server's ``/explain`` page uses them.
+Explaining itself (facts, tokenizer, per-head analysis, ablation through ``head_mask``, the page) is
+numpy and lives in :mod:`attnx.explain`, which the server's ``/explain`` page imports. This package
+sits above the runtime, the exporter and the pretrained hosts; the names below are imported on first
+use, so ``import attnx.interp`` loads none of them.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "HookPoint": "hooks", "ActivationCache": "hooks", "hook_points": "hooks",
-    "run_with_cache": "hooks", "run_with_hooks": "hooks", "patch_hook": "patching", "patch_heads": "patching",
+    "HookPoint": "attnx.models.hooks", "ActivationCache": "attnx.models.hooks", "hook_points": "attnx.models.hooks",
+    "run_with_cache": "attnx.models.hooks", "run_with_hooks": "attnx.models.hooks",
+    "patch_hook": "attnx.interp.patching", "patch_heads": "attnx.interp.patching",
 }
 
 __all__ = list(_LAZY)
@@ -29,6 +34,6 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'attnx.interp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"attnx.interp.{module}"), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

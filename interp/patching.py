@@ -5,10 +5,12 @@
     scores = patch_heads(model, clean, corrupted, metric)   # [n_layers, H]: one patched head at a time
     out = model(x, mask, head_mask=hm)                      # hm [n_layers, H], 0 ablates a head
     report = patching_sweep(torch_source, batch, layer=0)   # text-level: restore each head from the clean run
+    table = ablation_table(source, batch, layer=0, reference=torch_source)   # `attnx explain --ablate`
 
 :func:`patching_sweep` is the torch side of ``attnx explain --ablate``: beside the export's head
 ablation (a head removed) it shows activation patching (a head restored into a corrupted run), so
-the heads a model *needs* and the heads that *carry* the input's information can be told apart.
+the heads a model *needs* and the heads that *carry* the input's information can be told apart;
+:func:`ablation_table` puts both side by side.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from attnx.interp.hooks import HookFn, HookPoint, run_with_cache, run_with_hooks
+from attnx.explain.explanation import _feeds, ablate_layer, output_metric
+from attnx.explain.source import EncodedBatch, ExplainError, Source
+from attnx.models.hooks import HookFn, HookPoint, run_with_cache, run_with_hooks
 
 # Which axes of an activation hold heads and positions, by hook name suffix.
 _HEAD_AXES = {"hook_q": (2, 1), "hook_k": (2, 1), "hook_v": (2, 1), "hook_z": (2, 1),
@@ -121,9 +125,6 @@ def patching_sweep(source, batch, layer: int, *, corrupt=None, noise: float = 3.
     The corrupted run is ``corrupt`` (another :class:`EncodedBatch` of the same shape) or, by default,
     the same text with Gaussian noise of ``noise`` x the embeddings' std added to the token embeddings
     (``hook_embed``; the causal-tracing corruption of Meng et al., 2022), seeded."""
-    from attnx.interp.explain import _feeds, output_metric
-    from attnx.interp.source import ExplainError
-
     facts = source.facts
     layer = facts.check_layer(layer)
     model = NamedOutput(getattr(source.model, "model", source.model), facts.main_output)
@@ -159,3 +160,47 @@ def patching_sweep(source, batch, layer: int, *, corrupt=None, noise: float = 3.
 
     sweep = patch_heads(model, clean, corrupted, distance, layers=[layer], corrupted_hooks=hooks_)[layer]
     return PatchingReport(layer, how, base, [float(1 - d / base) for d in sweep.tolist()])
+
+
+# --------------------------------------------------------------------------- the side-by-side table
+
+
+@dataclass
+class AblationTable:
+    """``attnx explain --ablate``: per head of one layer, the deployed model's ablation effect, the same
+    ablation on the torch reference, and activation patching on the torch reference; rows ranked by
+    the deployed model's effect."""
+
+    layer: int
+    metric: str
+    columns: list[str]
+    rows: list[dict]  # {"head": h, column: value}
+    patching: str = ""  # how the corrupted run was made
+
+    @property
+    def ranking(self) -> list[int]:
+        return [r["head"] for r in self.rows]
+
+
+def ablation_table(source: Source, batch: EncodedBatch, layer: int, *, reference: Source | None = None,
+                   patch: bool = True, corrupt: EncodedBatch | None = None, context=None,
+                   target_id: int | None = None) -> AblationTable:
+    """Ablate each head of ``layer`` on ``source`` (and ``reference``, a torch source) and, with ``patch``,
+    sweep activation patching over the same heads on the torch model (``reference``, or ``source`` itself
+    when it is one)."""
+    own = ablate_layer(source, batch, layer, context=context, target_id=target_id)
+    columns = ["ablated (torch)" if hasattr(source, "model") else "ablated (deployed)"]
+    values = {columns[0]: own.effects}
+    if reference is not None:
+        ref = ablate_layer(reference, batch, layer, context=context, target_id=target_id)
+        columns.append("ablated (torch reference)")
+        values[columns[-1]] = ref.effects
+    torch_source = reference if reference is not None else (source if hasattr(source, "model") else None)
+    how = ""
+    if patch and torch_source is not None:
+        report = patching_sweep(torch_source, batch, layer, corrupt=corrupt, context=context)
+        columns.append("patched: share restored")
+        values[columns[-1]] = report.restored
+        how = report.corruption
+    rows = [{"head": h, **{c: values[c][h] for c in columns}} for h in own.ranking]
+    return AblationTable(own.layer, own.metric.description, columns, rows, how)

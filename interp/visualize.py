@@ -7,7 +7,7 @@
 
 ``patterns`` is either a cache (``{"blocks.{i}.attn.hook_pattern": [B, H, L, L]}``,
 e.g. from ``run_with_cache``, prefixed keys allowed; ``batch_index`` picks the example) or a mapping
-``{layer: [H, L, L]}`` (torch or numpy). The HTML page (:mod:`attnx.interp.page`) inlines its CSS,
+``{layer: [H, L, L]}`` (torch or numpy). The HTML page (:mod:`attnx.explain.page`) inlines its CSS,
 JS and data (no CDN, no fetch), so it opens offline and can be attached to a report. Only
 :func:`visualize_text` runs a (torch) model; the rest is numpy and matplotlib.
 """
@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from attnx.interp.analysis import pattern_keys
+from attnx.explain.analysis import pattern_keys
 
 # --------------------------------------------------------------------------- inputs
 
@@ -83,13 +83,13 @@ def _check_tokens(tokens: Sequence[str], length: int) -> list[str]:
 def attention_html(tokens: Sequence[str], patterns: Mapping, layers: Sequence[int] | None = None,
                    heads: Sequence[int] | None = None, *, batch_index: int = 0, behaviors: Sequence | None = None,
                    title: str = "attnx attention patterns", text: str | None = None) -> str:
-    """The attention page (:mod:`attnx.interp.page`) for one example: layer and head selectors, a
+    """The attention page (:mod:`attnx.explain.page`) for one example: layer and head selectors, a
     query x key heatmap or token-to-token lines (hover for weights) and the heads' analysis.
 
     ``behaviors`` (from :func:`attnx.interp.analysis.analyze_heads`) fills the analysis table.
     ``heads`` limits the analysis rows shown; every head's map stays selectable.
     """
-    from attnx.interp.page import page_data, render_page
+    from attnx.explain.page import page_data, render_page
 
     pats = _layer_patterns(patterns, batch_index)
     length = next(iter(pats.values())).shape[-1]
@@ -209,7 +209,8 @@ def visualize_text(model, tokenizer, text: str, out_dir: str | Path, layers: Seq
 
     Returns ``{"html": Path, "png": [Path, ...], "tokens": [...], "behaviors": [...]}``.
     """
-    from attnx.interp.analysis import analyze_cache, cache_patterns
+    from attnx.explain.analysis import analyze_cache
+    from attnx.interp.analysis import cache_patterns
 
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     if tokenizer is None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnx.interp.hooks import HookPoint
+from attnx.models.hooks import HookPoint
 from attnx.models.signature import InputSpec, check_choice, check_inputs
 
 # --------------------------------------------------------------------------- paths

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnx.contract import Role
-from attnx.interp.hooks import HookPoint, Hooked, name_hook_points
+from attnx.models.hooks import HookPoint, Hooked, name_hook_points
 from attnx.models.signature import InputSpec, OutputSpec, check_choice, check_inputs
 from attnx.models.spec import ExtraOutput, VariantSpec
 

@@ -251,7 +251,7 @@ def _policy_margin(attn: MawAttention) -> Tensor:
 def _gather_schema():
     from onnx import TensorProto
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     def infer(ctx):
         q, k = ops.rank4_inputs(ctx, 0, 1)
@@ -274,7 +274,7 @@ def _gather_schema():
 def _gather_function(opset: int):
     from onnx import TensorProto, helper
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     n = helper.make_node
     ints = lambda name, v: n("Constant", [], [name], value_ints=v)  # noqa: E731
@@ -296,7 +296,7 @@ def _gather_function(opset: int):
 
 def _gather_plugin():
     from attnx.contract import PLUGIN_ATTRIBUTES
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     attnx_ops = ops.opset()
 
@@ -309,7 +309,7 @@ def _gather_plugin():
 def _select_schema():
     from onnx import TensorProto
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
     from onnx.defs import OpSchema
 
     def infer(ctx):
@@ -331,7 +331,7 @@ def _select_schema():
 def _select_function(opset: int):
     from onnx import TensorProto, helper
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     n = helper.make_node
     nodes = [

@@ -240,7 +240,7 @@ def _neutral(attn: SelfModulatedAttention) -> None:
 # --------------------------------------------------------------------------- ONNX: the custom op
 
 def _tta_schema():
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     def infer(ctx):
         q, k, _ = ops.rank4_inputs(ctx, 0, 1, 2)
@@ -258,7 +258,7 @@ def _tta_function(opset: int):
     """The body via the expansion q^T T q + k^T T k - q^T (T + T^T) k (no [Lq, Lk, Dh] tensor), in fp32."""
     from onnx import TensorProto, helper
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     n = helper.make_node
     nodes = [
@@ -281,7 +281,7 @@ def _tta_function(opset: int):
 
 def _tta_plugin():
     from attnx.contract import PLUGIN_ATTRIBUTES
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     attnx_ops = ops.opset()
 
@@ -297,7 +297,7 @@ _SMAL_INPUTS = ["q", "k", "v", "trace", "gb", "bias"]
 def _smal_schema():
     from onnx.defs import OpSchema
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     def infer(ctx):
         q, _k, v = ops.rank4_inputs(ctx, 0, 1, 2)
@@ -321,7 +321,7 @@ def _smal_function(opset: int):
     L x (Dh + 1)). Before opset 23: the same columns, explicit."""
     from onnx import TensorProto, helper
 
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     n = helper.make_node
     f32 = TensorProto.FLOAT
@@ -361,7 +361,7 @@ def _smal_engine_function(opset: int):
     from onnx import TensorProto, helper
 
     from attnx.contract import PLUGIN_ATTRIBUTES, DOMAIN
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     n = helper.make_node
     nodes = [n("TtaDistance", ["q", "k", "trace"], ["dist"], name="tta_distance", domain=DOMAIN, **PLUGIN_ATTRIBUTES),
@@ -377,7 +377,7 @@ def _smal_engine_function(opset: int):
 
 def _smal_plugin():
     from attnx.contract import PLUGIN_ATTRIBUTES
-    from attnx.export import ops
+    from attnx.models import onnx_ops as ops
 
     attnx_ops = ops.opset()
 

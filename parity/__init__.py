@@ -5,8 +5,9 @@
 - :mod:`~attnx.parity.compare`: tolerances (per precision; variants override) and the tie-aware compare function;
 - :mod:`~attnx.parity.report`: comparisons, the verdict, the JSON report;
 - :mod:`~attnx.parity.check`: :func:`run_check`, which puts them together;
+- :mod:`~attnx.parity.render`: what ``attnx check`` prints for each kind of report;
 - pretrained exports (real models): :mod:`~attnx.parity.text_cases` (real texts through the export's
-  tokenizer), :mod:`~attnx.parity.original` (the original transformers / sentence-transformers model,
+  tokenizer, :mod:`attnx.export.tokenizer`), :mod:`~attnx.parity.original` (the original transformers / sentence-transformers model,
   and whether it still applies), :mod:`~attnx.parity.text_report` (per-sentence figures, what must
   hold per precision), :mod:`~attnx.parity.pretrained` (:func:`run_text_check`).
 
@@ -29,7 +30,7 @@ from attnx.parity.original import plan_original
 from attnx.parity.pretrained import run_text_check
 from attnx.parity.report import Comparison, ParityReport, summarize
 from attnx.parity.runners import MARGIN_PREFIX, REFERENCE, EngineRunner, TorchReferenceRunner, margins, onnxrt_runner
-from attnx.parity.text_cases import ExportTokenizer, default_texts
+from attnx.parity.text_cases import default_texts
 from attnx.parity.text_report import TextComparison, TextParityReport
 
 __all__ = [
@@ -38,5 +39,5 @@ __all__ = [
     "DEFAULT_TOLERANCES", "EXACT", "resolve_tolerances", "tie_margins", "main_outputs", "TieTracker",
     "TieAwareCompareFunc", "Comparison", "ParityReport", "summarize",
     "run_check", "load_reference", "find_engine_for", "onnx_for_engine", "LOWERINGS",
-    "run_text_check", "TextParityReport", "TextComparison", "plan_original", "default_texts", "ExportTokenizer",
+    "run_text_check", "TextParityReport", "TextComparison", "plan_original", "default_texts",
 ]

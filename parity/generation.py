@@ -2,7 +2,7 @@
 
 The export's PyTorch reference (:class:`attnx.pretrained.cached.CachedHost`, rebuilt from ``attnx.config``
 with the weights beside the file, on the literal formulas) and ONNX Runtime on the file (and the engine,
-where it can run) are driven by the same :class:`attnx.runtime.decoding.Decoder`: real texts (the
+where it can run) are driven by the same :class:`attnx.runtime.core.decoding.Decoder`: real texts (the
 built-in sentences, or ``--text``) prefilled one by one, merged into one left-padded batch, then
 ``steps`` decoding steps, every runtime fed the reference's greedy tokens (teacher forcing, so a near-tie
 cannot send them down different paths). Compared per step: the logits of every row and, at the end,
@@ -26,7 +26,7 @@ import numpy as np
 
 from attnx.contract import ModelInfo
 from attnx.parity.cases import ParityError
-from attnx.runtime.session import Session, merge_specs
+from attnx.runtime.core.session import Session, merge_specs
 
 #: ``(atol, rtol)`` of logits and cached tensors, per precision: |a - b| <= atol + rtol |reference|.
 BOUNDS = {"fp32": (1e-3, 1e-3), "fp16": (6e-2, 3e-2), "int8": (3e-1, 1e-1)}
@@ -153,9 +153,9 @@ def run_generation_check(model_path: Path, model, info: ModelInfo, *, engine=Non
     from attnx.parity.check import open_engine
     from attnx.parity.original import plan_original
     from attnx.parity.text_cases import default_texts
-    from attnx.runtime.decoding import Decoder
-    from attnx.runtime.session import load
-    from attnx.runtime.text import TextTokenizer
+    from attnx.runtime.core.decoding import Decoder
+    from attnx.runtime.core.session import load
+    from attnx.runtime.core.text import TextTokenizer
 
     started = time.monotonic()
     step = progress or (lambda name: None)
@@ -259,30 +259,3 @@ def _against_original(source: str, prompts, fed, ref_steps, runners, bounds, com
     comparisons.append({"runner": "torch", "reference": "original", "output": "logits", "max_abs": worst,
                         "passed": ok})
     return worst, ok
-
-
-def render(report: GenerationReport, console, report_path=None) -> None:
-    """What ``attnx check`` prints for a with-past export."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"cached generation of {escape(report.model.name)} ({report.variant}, {report.precision}): "
-                        f"{len(report.texts)} texts in one left-padded batch, prefill + {report.steps} steps",
-                  title_justify="left")
-    for col in ("runtime", "vs", "output", "max abs", ""):
-        table.add_column(col)
-    for c in report.comparisons:
-        table.add_row(c["runner"], c["reference"], c["output"], f"{c['max_abs']:.2e}",
-                      "[green]ok[/green]" if c["passed"] else "[red]FAIL[/red]")
-    for t in report.tokens:
-        table.add_row(t["runner"], t["reference"], "greedy tokens",
-                      f"{t['differ']} differ" + (f", {t['ties']} tie(s)" if t["ties"] else ""),
-                      "[green]ok[/green]" if t["passed"] else "[red]FAIL[/red]")
-    console.print(table)
-    for note in report.notes:
-        console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
-    if report.engine_unchecked:
-        console.print(f"[yellow]engine not run here:[/yellow] {escape(report.engine_unchecked)}", highlight=False)
-    verdict = "[bold green]PASS[/bold green]" if report.passed else "[bold red]FAIL[/bold red]"
-    console.print(f"{verdict} in {report.seconds:.1f}s" + (f"; report: {escape(str(report_path))}" if report_path else ""),
-                  highlight=False)

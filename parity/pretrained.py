@@ -26,14 +26,17 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from attnx.contract import SEQ, ModelInfo, pretrained_task, sha256_file
 from attnx.parity.cases import ParityError
 from attnx.parity.original import OriginalRunner, plan_original
 from attnx.parity.runners import MARGIN_PREFIX, REFERENCE, TorchReferenceRunner, onnxrt_runner
-from attnx.parity.text_cases import ExportTokenizer, TextDataLoader, default_texts, text_cases
+from attnx.parity.text_cases import TextDataLoader, default_texts, text_cases
 from attnx.parity.text_report import TextParityReport, compare_iteration, fp32_floors, gates
+
+if TYPE_CHECKING:  # imported where it runs: attnx.export pulls in torch
+    from attnx.export.tokenizer import ExportTokenizer
 
 ORIGINAL = "original"
 REFERENCE64 = "torch-fp64"
@@ -70,6 +73,8 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
     host = getattr(model, "model", model)
     precision = info.precision if info.precision in ("fp32", "fp16", "int8") else "fp32"
     model_sha = sha256_file(model_path)
+    from attnx.export.tokenizer import ExportTokenizer
+
     tokenizer = ExportTokenizer(model_path, info)
     texts = list(texts) if texts else default_texts()
     if not all(isinstance(t, str) and t.strip() for t in texts):

@@ -4,9 +4,8 @@
   plus two passages joined from them, one of 129-256 tokens (where a tokenizer file that truncates
   at 128 by itself, as all-MiniLM-L6-v2's does, would differ from sentence-transformers) and one
   past the export's maximum length (truncation);
-- :class:`ExportTokenizer`: the tokenizer files that travel beside the export (``attnx.tokenizer``),
-  read with the ``tokenizers`` library, truncating at the export's ``max_length`` on its recorded
-  side, the file's own padding switched off (the batch is padded here, with ``pad_id``, and masked);
+- the texts are tokenised by the export's own tokenizer (:class:`attnx.export.tokenizer.ExportTokenizer`);
+  the batch is padded here, with its ``pad_id``, and masked;
 - :func:`text_cases`: the texts in batches that fit the profiles (:class:`TextCase`);
 - :class:`TextDataLoader`: a Polygraphy data loader, one feed dict per batch (context inputs from
   the variant's example values, a head mask of ones).
@@ -14,16 +13,17 @@
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from attnx.contract import BATCH, SEQ, ContractError, ModelInfo, Role, TensorEntry, contained
+from attnx.contract import BATCH, SEQ, Role, TensorEntry
 from attnx.parity.cases import ParityError
+
+if TYPE_CHECKING:  # the export's tokenizer; imported where it runs (attnx.export pulls in torch)
+    from attnx.export.tokenizer import Encoded
 
 #: Rows per batch at most (then the profile's own maximum): two batches of the built-in texts,
 #: each padded to its longest row.
@@ -34,56 +34,6 @@ def default_texts() -> list[str]:
     from attnx.pretrained.sentences import SENTENCES
 
     return [*SENTENCES, " ".join(SENTENCES), " ".join(SENTENCES * 2)]
-
-
-@dataclass(frozen=True)
-class Encoded:
-    ids: tuple[int, ...]
-    type_ids: tuple[int, ...]
-    truncated: bool
-
-
-class ExportTokenizer:
-    """The export's own tokenizer (see the module doc); ``max_length`` and ``pad_id`` from its metadata."""
-
-    def __init__(self, model_path: str | os.PathLike, info: ModelInfo):
-        from tokenizers import Tokenizer
-
-        meta = info.tokenizer or {}
-        if not meta.get("dir"):
-            raise ParityError(f"{Path(model_path).name} names no tokenizer (attnx.tokenizer): re-export it with "
-                              "`attnx export --from-pretrained`")
-        try:
-            folder = contained(Path(model_path).parent, str(meta["dir"]), "the tokenizer folder named by attnx.tokenizer")
-            path = contained(folder, str(meta.get("file") or "tokenizer.json"), "the tokenizer file named by attnx.tokenizer")
-            self.max_length = int(meta["max_length"])
-            self.pad_id = int(meta.get("pad_id", 0))
-        except ContractError as e:
-            raise ParityError(str(e)) from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ParityError(f"bad attnx.tokenizer metadata in {Path(model_path).name} ({e!r})") from None
-        side = str(meta.get("truncation_side", "right"))
-        if side not in ("left", "right") or self.max_length < 1:
-            raise ParityError(f"bad attnx.tokenizer metadata in {Path(model_path).name}: truncation_side {side!r}, "
-                              f"max_length {self.max_length}")
-        if not path.is_file():
-            raise ParityError(f"the tokenizer file {path} named by {Path(model_path).name} is missing (it is written "
-                              "beside the export by `attnx export --from-pretrained`)")
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises its own Exception type on bad JSON
-            raise ParityError(f"cannot read the tokenizer {path}: {' '.join(str(e).split())[:160]}") from None
-        self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.max_length, direction=side)
-        self.path, self.side = path, side
-
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        return [Encoded(tuple(e.ids), tuple(e.type_ids), bool(e.overflowing))
-                for e in self.tokenizer.encode_batch(list(texts))]
-
-    def to_json(self) -> dict:
-        return {"path": str(self.path), "max_length": self.max_length, "truncation_side": self.side,
-                "pad_id": self.pad_id}
 
 
 @dataclass(frozen=True)

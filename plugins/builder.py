@@ -120,6 +120,27 @@ def _explain_failure(log: Iterable[str]) -> str:
     return ("\n".join(causes) + "\n--- last lines of the build log ---\n" + tail) if causes else tail
 
 
+def configure_command(cmake: str, nvcc: Path, archs: Sequence[str], build_dir: Path, output_dir: Path,
+                      tensorrt_include: Path | None = None, build_type: str = "Release") -> list[str]:
+    """The CMake configure step of :func:`build` (it writes ``attnx_plugins_build.json``: what the
+    build will compile for)."""
+    configure = [
+        cmake, "-S", str(_SOURCE_DIR), "-B", str(build_dir),
+        f"-DCMAKE_BUILD_TYPE={build_type}",
+        f"-DCMAKE_CUDA_COMPILER={nvcc}",
+        f"-DPython3_EXECUTABLE={sys.executable}",
+        f"-DATTNX_CUDA_ARCHS={';'.join(_normalize_archs(archs))}",
+        f"-DATTNX_PLUGIN_OUTPUT_DIR={Path(output_dir).resolve()}",
+    ]
+    if tensorrt_include is not None:
+        configure.append(f"-DTENSORRT_INCLUDE_DIR={tensorrt_include}")
+    # Warnings are errors in a checkout (development, CI); not for users compiling an installed
+    # package with whatever compiler they have. $ATTNX_PLUGINS_WERROR=0/1 overrides.
+    werror = os.environ.get("ATTNX_PLUGINS_WERROR", "1" if _is_checkout() else "0").strip().lower()
+    configure.append(f"-DATTNX_WERROR={'OFF' if werror in ('0', 'off', 'false', 'no', '') else 'ON'}")
+    return configure
+
+
 def build(*, archs: Iterable[str | int] | None = None, clean: bool = False, tensorrt_include: str | os.PathLike | None = None,
           build_dir: str | os.PathLike | None = None, output_dir: str | os.PathLike | None = None, jobs: int | None = None,
           console=None, verbose: bool = False, build_type: str = "Release") -> Path:
@@ -159,20 +180,7 @@ def build(*, archs: Iterable[str | int] | None = None, clean: bool = False, tens
     bdir.mkdir(parents=True, exist_ok=True)
     odir.mkdir(parents=True, exist_ok=True)
 
-    configure = [
-        cmake, "-S", str(_SOURCE_DIR), "-B", str(bdir),
-        f"-DCMAKE_BUILD_TYPE={build_type}",
-        f"-DCMAKE_CUDA_COMPILER={nvcc}",
-        f"-DPython3_EXECUTABLE={sys.executable}",
-        f"-DATTNX_CUDA_ARCHS={';'.join(arch_list)}",
-        f"-DATTNX_PLUGIN_OUTPUT_DIR={odir.resolve()}",
-    ]
-    if tensorrt_include is not None:
-        configure.append(f"-DTENSORRT_INCLUDE_DIR={tensorrt_include}")
-    # Warnings are errors in a checkout (development, CI); not for users compiling an installed
-    # package with whatever compiler they have. $ATTNX_PLUGINS_WERROR=0/1 overrides.
-    werror = os.environ.get("ATTNX_PLUGINS_WERROR", "1" if _is_checkout() else "0").strip().lower()
-    configure.append(f"-DATTNX_WERROR={'OFF' if werror in ('0', 'off', 'false', 'no', '') else 'ON'}")
+    configure = configure_command(cmake, nvcc, arch_list, bdir, odir, tensorrt_include, build_type)
     jobs = jobs or max(1, os.cpu_count() or 1)
     compile_cmd = [cmake, "--build", str(bdir), "--parallel", str(jobs)]
 

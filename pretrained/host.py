@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnx.contract import Role
-from attnx.interp.hooks import Hooked
+from attnx.models.hooks import Hooked
 from attnx.models.signature import InputSpec, OutputSpec, check_inputs
 from attnx.pretrained import backend, placing
 from attnx.pretrained.folder import SentenceTransformerInfo
@@ -146,7 +146,7 @@ class Host(Hooked, nn.Module):
         """Load a placed variant's trained parameters, named as in the placed model's own state dict
         (``save_pretrained`` of it) or as in an export's weights file; strict: every variant parameter
         must be there, nothing unknown may be."""
-        from attnx.export.checkpoint import read_checkpoint
+        from attnx.models.checkpoint import read_checkpoint
 
         state = read_checkpoint(self, path, required=self.variant_parameter_names(), what=f"{self.variant} placement",
                                 prefix="hf.")

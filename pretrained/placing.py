@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from attnx.interp.hooks import HookPoint
+from attnx.models.hooks import HookPoint
 from attnx.models.attention import AttentionBase, without_projections
 from attnx.models.signature import InputSpec
 from attnx.models.spec import ExtraOutput, VariantSpec, get_spec

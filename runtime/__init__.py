@@ -1,51 +1,42 @@
 """attnx runtime, the serving stack: load a model once, run it many times, batch concurrent requests, serve it.
 
-Modules: ``session`` (the :class:`Session` interface, feed checks, :func:`load`), ``axes`` (batch and
-sequence axes of any ONNX file), ``backends/`` (ONNX Runtime, TensorRT engines), ``batcher``, ``text``
-(tokenising), ``encode`` (embedded text use), ``protocol`` (KServe v2 requests), ``http_codec``,
-``service`` (what both front ends share), ``server`` (HTTP), ``grpc_server``, ``metrics``,
-``embeddings`` / ``openai_api`` / ``tei_api`` (the OpenAI and TEI embedding routes), ``auth`` (``--api-key``),
-``pooling`` (a sentence embedding for files with token embeddings only), ``model_checks`` (what a file's
-metadata promises, checked at load), ``pacing`` (refusing what cannot start before its deadline),
-``http_guard`` (header size and count, idle heads, file descriptors).
-Offline tooling lives elsewhere: engines in :mod:`attnx.engine`, parity in :mod:`attnx.parity`,
-Triton repositories and load tests in :mod:`attnx.deploy`.
+Three layers, each a package:
+
+- ``core/``: running models, no network: sessions and their backends (``session``, ``backends/``, ``axes``,
+  ``model_checks``), the dynamic batcher (``batcher``, ``layout``, ``pacing``), text (``text``, ``pooling``,
+  ``labels``, ``encode``: embedded use), generation (``decoding``, ``sampling``, ``generate``, ``detokenize``,
+  ``scheduler``, ``chat``: chat templates in a worker process).
+- ``wire/``: what every request goes through: the error taxonomy and one status table per wire shape
+  (``errors``), the one envelope (``envelope``), limits, the byte budget and the worker policy (``limits``), the
+  HTTP app (``http``), the gRPC front end (``grpc``), connection bounds (``http_guard``), ``auth``, ``metrics``.
+- ``apis/``: the served APIs over one model registry (``registry``) and typed requests (``requests``): KServe v2
+  over HTTP and gRPC (``kserve``, ``kserve_grpc``, ``kserve_tensors``, ``kserve_json``), OpenAI (``openai``,
+  ``completions``), TEI (``tei``, ``tei_grpc`` with ``tei.proto``), rerank and classify (``scoring``,
+  ``encoding``), Triton generate (``generate``, ``generation``), attention pages (``explain``).
+
+``server`` assembles them (:class:`InferenceServer`, ``attnx serve``). Offline tooling lives elsewhere: engines in
+:mod:`attnx.engine`, parity in :mod:`attnx.parity`, Triton repositories and load tests in :mod:`attnx.deploy`.
 
 Public names (see docs/embedding.md for a service embedding them):
 
-- ``load(path, device="auto", threads=None)`` -> :class:`Session` (``.onnx`` on
-  ONNX Runtime, ``.engine`` through :mod:`attnx.engine`); ``.inputs``,
-  ``.outputs`` (:class:`TensorSpec`), ``.run(feeds) -> outputs``; thread-safe.
-- :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching.
-- :class:`TextModel`: a text model with its tokenizer, ``encode(sentences, ...)`` as
-  sentence-transformers has it, ``logits(texts)`` for causal LMs (``encode``).
-- :class:`InferenceServer`: the KServe v2 HTTP server (``attnx serve``); needs the
-  ``serve`` extra (fastapi, uvicorn, prometheus-client).
+- ``load(path, device="auto", threads=None)`` -> :class:`Session` (``.onnx`` on ONNX Runtime, ``.engine`` through
+  :mod:`attnx.engine`); ``.inputs``, ``.outputs`` (:class:`TensorSpec`), ``.run(feeds) -> outputs``; thread-safe.
+- :class:`DynamicBatcher` / :class:`BatcherConfig`: pad-and-mask dynamic batching;
+  :class:`BatchLayout`: its pad / merge / split alone (for a host that forms batches itself, like Triton).
+- :class:`TextModel`: a text model with its tokenizer, ``encode(sentences, ...)`` as sentence-transformers has it,
+  ``logits(texts)`` for causal LMs, ``generate(prompt)`` for with-past exports.
+- :class:`InferenceServer`: the server of ``attnx serve`` (KServe v2 HTTP + gRPC, OpenAI, TEI, rerank); needs
+  the ``serve`` extra.
 """
 
-from attnx.runtime.batcher import (
-    BatcherClosedError,
-    BatcherConfig,
-    DynamicBatcher,
-    QueueFullError,
-    RequestTimeoutError,
-)
-from attnx.runtime.encode import TextModel
-from attnx.runtime.session import InputError, Session, TensorSpec, load
+from attnx.runtime.core.batcher import BatcherClosedError, BatcherConfig, DynamicBatcher, QueueFullError, \
+    RequestTimeoutError
+from attnx.runtime.core.encode import TextModel
+from attnx.runtime.core.layout import BatchLayout
+from attnx.runtime.core.session import InputError, Session, TensorSpec, load
 
-__all__ = [
-    "load",
-    "Session",
-    "TensorSpec",
-    "InputError",
-    "DynamicBatcher",
-    "BatcherConfig",
-    "QueueFullError",
-    "RequestTimeoutError",
-    "BatcherClosedError",
-    "InferenceServer",
-    "TextModel",
-]
+__all__ = ["load", "Session", "TensorSpec", "InputError", "DynamicBatcher", "BatchLayout", "BatcherConfig",
+           "QueueFullError", "RequestTimeoutError", "BatcherClosedError", "InferenceServer", "TextModel"]
 
 
 def __getattr__(name: str):

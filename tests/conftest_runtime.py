@@ -13,7 +13,7 @@ from typing import Iterator, Mapping
 import numpy as np
 
 from attnx.deploy.loadtest import synthetic_feeds
-from attnx.runtime.session import Session
+from attnx.runtime.core.session import Session
 
 #: One layer is enough to exercise masking and context inputs, and exports fastest.
 EXPORT_KW = {"n_layers": 1}
@@ -109,34 +109,6 @@ def triton_infer(client, model: str, feeds: Mapping[str, np.ndarray], *, binary_
     return {o["name"]: result.as_numpy(o["name"]) for o in response["outputs"]}, response
 
 
-# --- real text models (cached for the whole pytest process: exporting MiniLM takes ~40 s) ---------
-
-_CACHE: dict = {}
-
-
-def minilm_export(tmp_path_factory, variant: str = "mha"):
-    """The real all-MiniLM-L6-v2 exported with ``variant`` placed (``.onnx`` path; tokenizer beside it)."""
-    key = ("minilm", variant)
-    if key not in _CACHE:
-        from attnx.export.pretrained import export_pretrained
-        from attnx.pretrained import minilm_path
-
-        folder = tmp_path_factory.mktemp(f"minilm-{variant}")
-        _CACHE[key] = export_pretrained(minilm_path(), folder / f"minilm-{variant}.onnx", variant=variant).path
-    return _CACHE[key]
-
-
-def sentence_transformer():
-    """sentence-transformers' own all-MiniLM-L6-v2 (the reference every text test compares with)."""
-    if "st" not in _CACHE:
-        from sentence_transformers import SentenceTransformer
-
-        from attnx.pretrained import minilm_path
-
-        _CACHE["st"] = SentenceTransformer(str(minilm_path()), device="cpu")
-    return _CACHE["st"]
-
-
 def long_text(words: int, seed: int = 0) -> str:
     """Real English words (from the built-in sentences), ``words`` of them."""
     from attnx.pretrained.sentences import SENTENCES
@@ -148,3 +120,29 @@ def long_text(words: int, seed: int = 0) -> str:
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+class TokenizerSpy:
+    """Stands in for a ``tokenizers.Tokenizer`` and records the length of every text it is asked to encode."""
+
+    def __init__(self, inner, seen: list):
+        self.inner, self.seen = inner, seen
+
+    def encode_batch(self, inputs, **kwargs):
+        self.seen += [len(x) if isinstance(x, str) else sum(map(len, x)) for x in inputs]
+        return self.inner.encode_batch(inputs, **kwargs)
+
+    def encode(self, text, **kwargs):
+        self.seen.append(len(text))
+        return self.inner.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def spy_on(tokenizer, monkeypatch) -> list:
+    """The lengths of the texts ``tokenizer`` (a TextTokenizer) hands its Rust tokenizer from now on."""
+    seen: list = []
+    for attr in ("_full", "_cut"):
+        monkeypatch.setattr(tokenizer, attr, TokenizerSpy(getattr(tokenizer, attr), seen))
+    return seen

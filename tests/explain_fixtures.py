@@ -1,7 +1,7 @@
 """Helpers shared by the ``test_explain*`` files (imported by them; pytest does not collect it).
 
-Exporting the real all-MiniLM-L6-v2 takes ~30 s here, so each export is made once per test run
-and shared by every file that asks for it (:func:`minilm_export`).
+The MiniLM exports explaining needs (every layer's attention output and a head mask) come from the
+export cache of ``tests/conftest.py``, so each is made once for every file, worker and run.
 """
 
 from __future__ import annotations
@@ -14,30 +14,36 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from attnx.pretrained import minilm_path  # noqa: E402
+from support import cache, exports  # noqa: E402
 
 MINILM = minilm_path()
-_EXPORTS: dict = {}
 
 
-def minilm_export(tmp_path_factory, variant: str = "mha", *, randomize: bool = False, **kw):
-    """The real MiniLM exported with every layer's attention output and a head mask (cached per run).
+def explained_minilm(variant: str = "mha", *, randomize: bool = False, **kw) -> cache.CachedExport:
+    """The real MiniLM exported with every layer's attention output and a head mask.
 
     ``randomize``: the placed variant's own parameters get seeded random values (a trained variant
     stands in), so its context inputs change the model."""
-    key = (variant, randomize, repr(sorted(kw.items())))
-    if key not in _EXPORTS:
-        from attnx.export import export_encoder
-        from attnx.export.pretrained import export_pretrained
+    result = exports.minilm(variant, attention_outputs="all", head_mask=True, **kw)
+    if not randomize:
+        return result
 
-        folder = tmp_path_factory.mktemp(f"minilm-{variant}")
-        path = folder / f"minilm-{variant}.onnx"
-        result = export_pretrained(MINILM, path, variant=variant, attention_outputs="all", head_mask=True, **kw)
-        if randomize:
-            host = randomize_variant(result.model.model)
-            result = export_encoder(host, path, attention_outputs="all", head_mask=True, profiles=result.info.profiles,
-                                    tokenizer=result.info.tokenizer)
-        _EXPORTS[key] = result
-    return _EXPORTS[key]
+    def make(out):
+        from attnx.export import export_encoder
+
+        host = randomize_variant(result.model.model)
+        try:
+            export_encoder(host, out, attention_outputs="all", head_mask=True, profiles=result.info.profiles,
+                           tokenizer=result.info.tokenizer)
+        finally:
+            result.__dict__.pop("model", None)  # the shared reference was randomised: rebuild it on next use
+        import shutil
+
+        tok = result.info.tokenizer["dir"]
+        shutil.copytree(result.path.parent / tok, out.parent / tok)
+
+    return exports.cached(cache.entry(f"minilm-{variant}.onnx", make, kind="randomized", source=str(result.path),
+                               variant=variant, options=kw))
 
 
 def randomize_variant(host, seed: int = 3, scale: float = 0.5):
@@ -62,7 +68,7 @@ def ablate_columns(linear: torch.nn.Linear, head: int, head_dim: int) -> None:
 def ort_session(path):
     """The session a served model runs (attnx.runtime's settings), so served and direct results agree
     to the bit rather than to ORT's per-fusion rounding."""
-    from attnx.runtime.backends.onnxrt import OrtOptions
+    from attnx.runtime.core.backends.onnxrt import OrtOptions
 
     return OrtOptions(device="cpu").inference_session(path)
 

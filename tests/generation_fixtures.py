@@ -1,10 +1,9 @@
 """Helpers shared by the generation tests (imported by them; pytest does not load it by itself).
 
-Random-weight folders of ``tests/hf_folders.py`` and their with-past exports are made once per test session
-under pytest's base temporary folder (a second module asks for the same export and finds it), so the
-generation tests export each model once. ``trained_folder`` saves a placed model whose variant is moved
-off its neutral values (what a fine-tuned placement looks like), so the variant's own math is what the
-cache has to carry.
+Random-weight folders of ``tests/hf_folders.py``, trained placements and their with-past exports come
+from the shared export cache (``tests/support``), so each model is made and exported once for every
+module, worker and run. ``trained_folder`` saves a placed model whose variant is moved off its neutral
+values (what a fine-tuned placement looks like), so the variant's own math is what the cache has to carry.
 """
 
 from __future__ import annotations
@@ -18,35 +17,27 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import hf_folders  # noqa: E402
+from support import cache, exports  # noqa: E402
 
 #: A chat template in the form transformers' templates take (tokenizer_config.json's ``chat_template``).
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def base(tmp_path_factory) -> Path:
-    root = tmp_path_factory.getbasetemp() / "with-past"
-    root.mkdir(exist_ok=True)
-    return root
+def folder(name: str) -> Path:
+    """The family's folder (shared: don't change it)."""
+    return exports.hf_folder(name)
 
 
-def folder(root: Path, name: str) -> Path:
-    path = root / "folders" / name
-    if not (path / "config.json").is_file():
-        hf_folders.make_folder(name, root / "folders")
-    return path
+def _add_chat_template(path: Path) -> None:
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-def chat_folder(root: Path) -> Path:
+def chat_folder() -> Path:
     """The Llama folder with a chat template in its tokenizer_config.json."""
-    path = root / "folders" / "llama-chat"
-    if not (path / "config.json").is_file():
-        shutil.copytree(folder(root, "llama"), path)
-        cfg = json.loads((path / "tokenizer_config.json").read_text())
-        cfg["chat_template"] = CHAT_TEMPLATE
-        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return path
+    return exports.hf_folder("llama", edit=_add_chat_template, tag="chat-template")
 
 
 def move_off_neutral(host, seed: int = 0) -> None:
@@ -69,31 +60,27 @@ def move_off_neutral(host, seed: int = 0) -> None:
                 p.fill_(0.5)
 
 
-def trained_folder(root: Path, family: str, variant: str, **placement) -> Path:
+def trained_folder(family: str, variant: str, **placement) -> Path:
     """A folder saved from ``family`` with ``variant`` placed and moved off neutral (its tokenizer copied)."""
-    from attnx import pretrained
+    src = folder(family)
 
-    key = "-".join([family, variant] + [f"{k}{v}" for k, v in sorted(placement.items())]).replace(" ", "")
-    path = root / "trained" / key
-    if not (path / "config.json").is_file():
-        src = folder(root, family)
+    def make(path: Path) -> None:
+        from attnx import pretrained
+
         host = pretrained.load(src, variant, **placement)
         move_off_neutral(host)
         host.hf.save_pretrained(path)
         for f in src.iterdir():
             if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
                 shutil.copyfile(f, path / f.name)
-    return path
+
+    key = "-".join([family, variant] + [f"{k}{v}" for k, v in sorted(placement.items())]).replace(" ", "")
+    return cache.entry(key, make, kind="trained", source=src, variant=variant, placement=placement)
 
 
-def export(root: Path, source: Path, variant: str | None = None, lowering: str = "plugin", **kw):
-    """The with-past export of ``source`` (once per session): its ``model.onnx`` path."""
-    from attnx.export.pretrained import export_pretrained
-
-    out = root / "exports" / f"{source.name}-{variant or 'saved'}-{lowering}" / "model.onnx"
-    if not out.is_file():
-        export_pretrained(source, out, variant=variant, lowering=lowering, with_past=True, **kw)
-    return out
+def export(source: Path, variant: str | None = None, lowering: str = "plugin", **kw) -> Path:
+    """The with-past export of ``source``: its ``model.onnx`` path (from the export cache)."""
+    return exports.pretrained(source, variant, lowering=lowering, with_past=True, **kw).path
 
 
 def greedy_transformers(source: Path, prompt: list[int], n: int) -> list[int]:

@@ -190,13 +190,16 @@ def _post_processor(tok, fam: Family, ids: dict, encoder: bool) -> None:
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", ids["<s>"])])
 
 
-def lazy_folders(root: Path):
-    """``get(name) -> Path``: the family's folder under ``root``, made on first use (a module fixture's value)."""
+def lazy_folders(root: Path | None = None):
+    """``get(name) -> Path``: the family's folder, made on first use: from the shared cache of
+    ``tests/support`` (don't change it), or under ``root`` when given."""
+    from support.exports import hf_folder
+
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
-            made[name] = make_folder(name, root)
+            made[name] = make_folder(name, root) if root is not None else hf_folder(name)
         return made[name]
 
     return get

@@ -5,8 +5,8 @@ relevance logit, an ms-marco cross-encoder's shape), ``bert-classifier`` (three 
 ``id2label``) and ``qwen2-classifier`` (a decoder with one logit, pooled at the last token). The BERT
 folders' ``tokenizer_config.json`` names ``BertTokenizer``, as real BERT folders do, so
 transformers' tokenizer gives segment ids for a pair (a generic ``PreTrainedTokenizerFast`` gives none in
-transformers 5, and the reference would then differ from every BERT cross-encoder on the hub). Exports and
-references are cached for the whole pytest process, so each is made once however many modules use them.
+transformers 5, and the reference would then differ from every BERT cross-encoder on the hub). Folders and
+exports come from the shared export cache (``tests/support``), so each is made once however many modules use them.
 """
 
 from __future__ import annotations
@@ -20,32 +20,29 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_folders  # noqa: E402
+from support import exports  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MAX_LENGTH = hf_folders.POSITIONS  # the folders' model_max_length, which the export and CrossEncoder keep
-_CACHE: dict = {}
 
 
-def folder(tmp_path_factory, name: str) -> Path:
-    if ("folder", name) not in _CACHE:
-        path = hf_folders.make_folder(name, tmp_path_factory.mktemp(name))
-        if hf_folders.FAMILIES[name].tokenizer == "wordpiece":
-            config_file = path / "tokenizer_config.json"
-            config = json.loads(config_file.read_text())
-            config["tokenizer_class"] = "BertTokenizer"
-            config_file.write_text(json.dumps(config))
-        _CACHE["folder", name] = path
-    return _CACHE["folder", name]
+def _bert_tokenizer_class(path: Path) -> None:
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "BertTokenizer"
+    config_file.write_text(json.dumps(config))
 
 
-def export(tmp_path_factory, name: str, variant: str = "mha") -> Path:
+def folder(name: str) -> Path:
+    """The family's folder (shared: don't change it); WordPiece folders name ``BertTokenizer``."""
+    if hf_folders.FAMILIES[name].tokenizer == "wordpiece":
+        return exports.hf_folder(name, edit=_bert_tokenizer_class, tag="BertTokenizer")
+    return exports.hf_folder(name)
+
+
+def export(name: str, variant: str = "mha") -> Path:
     """``attnx export --from-pretrained`` of the folder with ``variant`` placed (its ``.onnx``)."""
-    if ("export", name, variant) not in _CACHE:
-        from attnx.export.pretrained import export_pretrained
-
-        out = tmp_path_factory.mktemp(f"{name}-{variant}") / f"{name}-{variant}.onnx"
-        _CACHE["export", name, variant] = export_pretrained(folder(tmp_path_factory, name), out, variant=variant).path
-    return _CACHE["export", name, variant]
+    return exports.pretrained(folder(name), variant, name=f"{name}-{variant}.onnx").path
 
 
 def neutral_context(path: Path, rows: int) -> dict[str, list]:
@@ -92,19 +89,15 @@ class Reference:
         return np.stack(rows).astype(np.float32)
 
 
-def reference(tmp_path_factory, name: str) -> Reference:
-    if ("reference", name) not in _CACHE:
-        _CACHE["reference", name] = Reference(folder(tmp_path_factory, name))
-    return _CACHE["reference", name]
+def reference(name: str) -> Reference:
+    return Reference(folder(name))
 
 
-def cross_encoder(tmp_path_factory, name: str):
+def cross_encoder(name: str):
     """sentence-transformers' CrossEncoder on the folder (it loads a plain transformers folder)."""
-    if ("ce", name) not in _CACHE:
-        from sentence_transformers import CrossEncoder
+    from sentence_transformers import CrossEncoder
 
-        _CACHE["ce", name] = CrossEncoder(str(folder(tmp_path_factory, name)), device="cpu")
-    return _CACHE["ce", name]
+    return CrossEncoder(str(folder(name)), device="cpu")
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

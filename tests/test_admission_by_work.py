@@ -12,8 +12,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from attnx.runtime import BatcherConfig
-from attnx.runtime.pacing import Pace
-from conftest_runtime import long_text, minilm_export, running_server
+from attnx.runtime.core.pacing import Pace
+from conftest_runtime import long_text, running_server
+from support import exports
 
 #: 600 texts of ~2,000 words: each is cut to 256 tokens; together ~150k tokens, ~8 MB of text.
 BIG = [long_text(2000, seed=i % 7) + f" {i}" for i in range(600)]
@@ -21,7 +22,7 @@ BIG = [long_text(2000, seed=i % 7) + f" {i}" for i in range(600)]
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return exports.minilm().path
 
 
 def serve(minilm):
@@ -77,14 +78,17 @@ def test_work_queued_ahead_makes_a_request_that_cannot_start_in_time_a_503():
         def queued_parts():
             return [(1, 100)] * 50  # 5,000 tokens ahead
 
-    from attnx.runtime import pacing, protocol
+    from attnx.runtime.core import pacing
+    from attnx.runtime.wire.errors import Kind, ProtocolError
 
     Batcher.pace.observe(8, 100, 0.8)  # 1,000 tokens/s at this length
     Batcher.queued_parts = staticmethod(lambda: [(1, 100)] * 5)  # 0.5 s ahead: fits
     assert pacing.check(Batcher, [(1, 100)], None) is True
     Batcher.queued_parts = staticmethod(lambda: [(1, 100)] * 50)  # 5 s ahead
-    with pytest.raises(protocol.Overloaded, match="queued ahead"):
+    with pytest.raises(ProtocolError, match="queued ahead") as info:
         pacing.check(Batcher, [(1, 100)], None)
-    with pytest.raises(protocol.TooLarge, match="s of compute"):
+    assert info.value.kind == Kind.OVERLOADED  # a retry may fit
+    with pytest.raises(ProtocolError, match="s of compute") as info:
         pacing.check(Batcher, [(1, 100)] * 40, None)  # 4 s of its own
+    assert info.value.kind == Kind.TOO_LARGE  # no retry helps
     assert pacing.check(Batcher, [(1, 1000)], None) is False  # never seen that long: unknown

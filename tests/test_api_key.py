@@ -4,11 +4,9 @@ clients; the key from ATTNX_API_KEY through the real CLI."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -19,8 +17,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from attnx.runtime import auth, load
-from conftest_runtime import cosine_rows, minilm_export, running_server, sentence_transformer
+from attnx.runtime import load
+from attnx.runtime.wire import auth
+from conftest_runtime import cosine_rows, running_server
+from support import exports
+from support.cli import one_line_error, subprocess_popen
+from support.cli import run as attnx
 
 KEY = "sk-attnx-test-0123456789"
 GOOD = {"Authorization": f"Bearer {KEY}"}
@@ -42,7 +44,7 @@ OPEN = ["/v2/health/live", "/v2/health/ready", "/v2/models/minilm/ready", "/v2/m
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    session = load(minilm_export(tmp_path_factory), device="cpu")
+    session = load(exports.minilm().path, device="cpu")
     with running_server({"minilm": session}, grpc_port=0, api_key=KEY) as s:
         yield s
 
@@ -78,7 +80,7 @@ def test_the_openai_client_with_and_without_the_key(server):
         assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
     with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as c:
         got = np.array(c.embeddings.create(input=["hello world"], model="minilm").data[0].embedding, np.float32)
-    assert cosine_rows(got[None], sentence_transformer().encode(["hello world"])).min() >= 0.9999
+    assert cosine_rows(got[None], exports.minilm_reference().encode(["hello world"])).min() >= 0.9999
 
 
 def test_tritonclient_http_sends_the_key_as_a_header(server):
@@ -90,7 +92,7 @@ def test_tritonclient_http_sends_the_key_as_a_header(server):
         with pytest.raises(InferenceServerException, match="API key"):
             c.infer("minilm", [item])
         got = c.infer("minilm", [item], headers=dict(GOOD)).as_numpy("sentence_embedding")  # it adds to the dict
-        assert cosine_rows(got, sentence_transformer().encode(["hello world"])).min() >= 0.9999
+        assert cosine_rows(got, exports.minilm_reference().encode(["hello world"])).min() >= 0.9999
     finally:
         c.close()
 
@@ -109,7 +111,7 @@ def test_grpc_needs_the_key_in_metadata_but_not_for_health(server):
             c.infer("minilm", [item])
         assert info.value.status() == "StatusCode.UNAUTHENTICATED"
         got = c.infer("minilm", [item], headers={"authorization": f"Bearer {KEY}"}).as_numpy("sentence_embedding")
-        assert cosine_rows(got, sentence_transformer().encode(["hello world"])).min() >= 0.9999
+        assert cosine_rows(got, exports.minilm_reference().encode(["hello world"])).min() >= 0.9999
     finally:
         c.close()
 
@@ -130,10 +132,9 @@ def test_the_comparison_is_over_fixed_length_digests(monkeypatch):
 
 
 def test_the_cli_takes_the_key_from_attnx_api_key(tmp_path_factory, tmp_path):
-    model = minilm_export(tmp_path_factory)
-    env = {**os.environ, "ATTNX_API_KEY": KEY, "ATTNX_WORKDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "attnx.cli.main", "serve", f"minilm={model}", "--port", "0"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    model = exports.minilm().path
+    proc = subprocess_popen("serve", f"minilm={model}", "--port", "0", stdout=subprocess.DEVNULL,
+                            env={"ATTNX_API_KEY": KEY, "ATTNX_WORKDIR": str(tmp_path)})
     try:
         url, lines = None, []
         deadline = time.monotonic() + 120
@@ -159,14 +160,29 @@ def test_the_cli_takes_the_key_from_attnx_api_key(tmp_path_factory, tmp_path):
         proc.stderr.close()
 
 
-def test_the_cli_refuses_a_bad_dimensions_flag_in_one_line(tmp_path_factory):
-    from typer.testing import CliRunner
-
-    from attnx.cli.main import app
-
-    model = minilm_export(tmp_path_factory)
+def test_the_cli_refuses_a_bad_dimensions_flag_in_one_line():
+    model = exports.minilm().path
     for flag, message in ((["--dimensions", "other=64"], "no model named 'other'"),
                           (["--dimensions", "64,abc"], "takes 'any' or comma-separated sizes"),
                           (["--max-inputs", "0"], "--max-inputs must be >= 1")):
-        result = CliRunner().invoke(app, ["serve", f"minilm={model}", "--port", "0", *flag])
-        assert result.exit_code != 0 and message in result.output, result.output
+        one_line_error(attnx("serve", f"minilm={model}", "--port", "0", *flag), message)
+
+
+def test_an_unknown_models_open_ready_route_names_no_served_model(server):
+    """Issue 32: /v2/models/{m}/ready answers without the key, so its 404 must not list what the server serves."""
+    r = httpx.get(server.url + "/v2/models/secret-guess/ready", timeout=10)
+    assert r.status_code == 404 and "minilm" not in r.text and r.json() == {"error": "unknown model 'secret-guess'"}
+    assert httpx.get(server.url + "/v2/models/secret-guess", headers=GOOD, timeout=10).status_code == 404
+
+
+def test_an_empty_api_key_is_refused_in_one_line():
+    """Issue 32: ``--api-key ''`` or ``ATTNX_API_KEY=`` (set, empty) would serve every route open: refused, in the
+    library and by the CLI (one line, before any model loads)."""
+    from attnx.runtime.server import InferenceServer
+
+    model = exports.minilm().path
+    with pytest.raises(ValueError, match="the API key is empty"):
+        InferenceServer({"minilm": model}, port=0, api_key="")
+    for args, env in ((["--api-key", ""], {}), ([], {auth.ENV_VAR: ""}), (["--api-key", "  "], {})):
+        one_line_error(attnx("serve", f"minilm={model}", "--port", "0", *args, env=env), "the API key is empty",
+                       alone=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnx.runtime import load
-from attnx.runtime.protocol import Limits
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, assert_outputs_equal, running_server
 
 MAX_BODY = 256 << 10  # small, so an oversize body is cheap to send
@@ -243,7 +243,7 @@ def test_out_of_range_metaphor_type_ids_fail_alone_among_concurrent_good_request
     batch; the bad requests get 400 naming the range, the good ones sent with them their own numbers."""
     import threading
 
-    from attnx.runtime.batcher import BatcherConfig
+    from attnx.runtime.core.batcher import BatcherConfig
     from conftest_runtime import request
 
     session = load(exported("metaphor", metaphor_input="token_type", **EXPORT_KW).path, device="cpu")

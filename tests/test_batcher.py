@@ -18,7 +18,7 @@ from attnx.runtime import (
     RequestTimeoutError,
     load,
 )
-from attnx.runtime.batcher import BatchLayout
+from attnx.runtime.core.layout import BatchLayout
 from conftest_runtime import EXPORT_KW, GatedSession, assert_outputs_equal, request
 
 PAD_ANYTHING = dict(max_length_ratio=None)

@@ -4,15 +4,14 @@ load compared with the same text run alone; a variant's per-example context ride
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from attnx.contract import BATCH, SEQ, Role
 from attnx.deploy import loadtest as b
-from attnx.runtime.session import TensorSpec
+from attnx.runtime.core.session import TensorSpec
+from support.cli import run as attnx
 
 
 def spec(name, shape, role=Role.CONTEXT, dtype=np.float32):
@@ -49,10 +48,8 @@ def test_text_requests_carry_per_example_context_and_refuse_per_token_context():
 def test_cli_text_bench_in_process_checks_every_answer(minilm_export, tmp_path):
     model = minilm_export().path
     report = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "attnx.cli.main", "bench", str(model), "--text", "--concurrency", "6",
-                          "--duration", "3", "--texts", "12", "--max-tokens", "60", "--threads", "1",
-                          "--compare-batch-1", "--report", str(report)],
-                         capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "COLUMNS": "200"})
+    run = attnx("bench", str(model), "--text", "--concurrency", "6", "--duration", "3", "--texts", "12", "--max-tokens",
+                "60", "--threads", "1", "--compare-batch-1", "--report", str(report))
     assert run.returncode == 0, run.stderr
     numbers = json.loads(report.read_text())
     assert numbers["lost"] == 0 and numbers["mismatched"] == 0

@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from attnx.runtime.protocol import Limits
-from attnx.runtime.scoring import _labels
+from attnx.runtime.wire.limits import Limits
+from attnx.runtime.core.labels import read_labels as _labels
 from conftest_runtime import running_server
 from scoring_fixtures import cross_encoder, export, neutral_context, reference, sigmoid, softmax
 
@@ -24,9 +24,9 @@ LABELS = ["negative", "neutral", "positive"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {"sentiment": export(tmp_path_factory, "bert-classifier"),
-            "sentiment-smal": export(tmp_path_factory, "bert-classifier", "smal"),
-            "ce": export(tmp_path_factory, "bert-cross-encoder")}
+    return {"sentiment": export("bert-classifier"),
+            "sentiment-smal": export("bert-classifier", "smal"),
+            "ce": export("bert-cross-encoder")}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    return reference(tmp_path_factory, "bert-classifier")
+    return reference("bert-classifier")
 
 
 def expected(probs: np.ndarray) -> list[list[tuple[str, float]]]:
@@ -78,7 +78,7 @@ def test_predict_equals_transformers(http, models, hf, model):
 
 
 def test_predict_on_pairs_equals_cross_encoder(http, tmp_path_factory):
-    ce = cross_encoder(tmp_path_factory, "bert-classifier")
+    ce = cross_encoder("bert-classifier")
     pairs = [(TEXTS[0], TEXTS[1]), (TEXTS[2], "")]
     got = http.post("/predict", json={"model": "sentiment", "inputs": [list(p) for p in pairs]}).json()
     want = ce.predict(pairs, apply_softmax=True)
@@ -86,7 +86,7 @@ def test_predict_on_pairs_equals_cross_encoder(http, tmp_path_factory):
 
 
 def test_a_reranker_predicts_its_one_label_with_a_sigmoid(http, tmp_path_factory):
-    ce = cross_encoder(tmp_path_factory, "bert-cross-encoder")
+    ce = cross_encoder("bert-cross-encoder")
     got = http.post("/predict", json={"model": "ce", "inputs": [["how do dogs play", TEXTS[1]]]}).json()
     assert got[0][0]["label"] == "LABEL_0"
     np.testing.assert_allclose(got[0][0]["score"], ce.predict([("how do dogs play", TEXTS[1])])[0], atol=1e-5)

@@ -1,4 +1,5 @@
-"""`attnx build-engine`, `attnx check` and `attnx demo` through the real CLI (subprocesses):
+"""`attnx build-engine`, `attnx check` and `attnx demo` through the CLI (in process; real processes where
+the installed packages or the start-up environment are what is tested):
 the happy path with defaults, and every error of the issue as one line with no traceback.
 
 The adapter's backend selection itself (fake importers, the PyPI stub, $ATTNX_TENSORRT_BACKEND)
@@ -11,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,38 +19,18 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-tb = pytest.importorskip("attnx.engine")
+import attnx.engine as tb
+from support.cli import one_line_error, subprocess_run
+from support.cli import run as attnx
 
 
-def attnx(*args, cwd: Path, extra_path: Path | None = None, env: dict | None = None, timeout: int = 300):
-    environ = {**os.environ, "ATTNX_WORKDIR": str(cwd / "attnx-out"), "COLUMNS": "160", "NO_COLOR": "1",
-               **(env or {})}
-    if extra_path is not None:
-        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *map(str, args)], cwd=cwd, env=environ,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def one_line_error(proc, *words: str) -> str:
-    """The process failed with exactly one `error:` line containing ``words`` and no traceback."""
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
-    for w in words:
-        assert w in errors[0], errors[0]
-    return errors[0]
-
-
-@pytest.fixture(scope="module")
-def rtx():
-    if not tb.is_available() or not tb.backend().is_rtx:
-        pytest.skip("needs TensorRT for RTX")
-    from attnx import plugins
-
-    if plugins.library_path() is None:
-        pytest.skip("plugin library not built (make test builds it)")
-    return tb.backend()
+def attnx_with(fakes: Path, *args, cwd: Path, env: dict | None = None):
+    """A real process whose imports see the fake packages in ``fakes`` first (or the environment ``env``
+    at start-up): what a user with that installation gets."""
+    environ = dict(env or {})
+    if fakes is not None:
+        environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fakes), os.environ.get("PYTHONPATH")]))
+    return subprocess_run(*args, cwd=cwd, env=environ)
 
 
 def _workdir(res, tmp: Path) -> Path:
@@ -190,10 +169,10 @@ def test_no_tensorrt_installed(exported, tmp_path):
     cwd = _workdir(exported("maw"), tmp_path)
     fakes = _fake_packages(tmp_path / "fakes", tensorrt=NO_TENSORRT.format("tensorrt"),
                            tensorrt_rtx_libs=NO_TENSORRT.format("tensorrt_rtx_libs"))
-    line = one_line_error(attnx("build-engine", "--fp16", cwd=cwd, extra_path=fakes), "no usable TensorRT")
+    line = one_line_error(attnx_with(fakes, "build-engine", "--fp16", cwd=cwd), "no usable TensorRT")
     assert "pip install attnx[tensorrt]" in line and "pip install attnx[rtx]" in line
     # Forcing full TensorRT where it is absent names that extra.
-    one_line_error(attnx("build-engine", cwd=cwd, env={"ATTNX_TENSORRT_BACKEND": "tensorrt"}),
+    one_line_error(attnx_with(None, "build-engine", cwd=cwd, env={"ATTNX_TENSORRT_BACKEND": "tensorrt"}),
                    "pip install attnx[tensorrt]")
 
 
@@ -203,7 +182,7 @@ def test_check_without_tensorrt_still_verifies_the_rest(exported, rtx, tmp_path)
     assert built.returncode == 0, built.stderr
     fakes = _fake_packages(tmp_path / "fakes", tensorrt=NO_TENSORRT.format("tensorrt"),
                            tensorrt_rtx_libs=NO_TENSORRT.format("tensorrt_rtx_libs"))
-    proc = attnx("check", cwd=cwd, extra_path=fakes)
+    proc = attnx_with(fakes, "check", cwd=cwd)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     notes = [line for line in proc.stdout.splitlines() if line.startswith("engine not run here")]
     assert len(notes) == 1 and "no TensorRT installed here" in notes[0]
@@ -214,7 +193,7 @@ def test_pypi_tensorrt_stub_falls_back_to_rtx(exported, rtx, tmp_path):
     """`pip install tensorrt` without NVIDIA's index gives an importable stub with no API."""
     cwd = _workdir(exported("smal"), tmp_path)
     fakes = _fake_packages(tmp_path / "fakes", tensorrt="__version__ = '10.14.1'\n")
-    proc = attnx("build-engine", cwd=cwd, extra_path=fakes)
+    proc = attnx_with(fakes, "build-engine", cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     side = json.loads((cwd / "attnx-out" / "smal.engine.json").read_text())
     assert side["backend"] == "tensorrt-rtx" and side["plugin_layers"] == 2
@@ -229,6 +208,6 @@ def test_full_tensorrt_branch_up_to_the_gpu(exported, rtx, tmp_path):
     cwd = _workdir(exported("maw"), tmp_path)
     fakes = _fake_packages(tmp_path / "fakes", tensorrt=(
         "import sys\nimport tensorrt_rtx_libs\nimport tensorrt_rtx_bindings as _trt\nsys.modules[__name__] = _trt\n"))
-    one_line_error(attnx("build-engine", cwd=cwd, extra_path=fakes), "full TensorRT builds engines for the local GPU",
+    one_line_error(attnx_with(fakes, "build-engine", cwd=cwd), "full TensorRT builds engines for the local GPU",
                    "attnx[rtx]")
-    one_line_error(attnx("build-engine", "--target", "sm86", cwd=cwd, extra_path=fakes), "local GPU")
+    one_line_error(attnx_with(fakes, "build-engine", "--target", "sm86", cwd=cwd), "local GPU")

@@ -1,10 +1,8 @@
-"""`attnx export` / `attnx inspect` / `attnx variants` through the real command line."""
+"""`attnx export` / `attnx inspect` / `attnx variants` through the command line (in process)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import onnx
 import pytest
@@ -12,11 +10,7 @@ from onnx import TensorProto, helper
 
 from attnx.models import VARIANTS
 
-ATTNX = [sys.executable, "-m", "attnx.cli.main"]
-
-
-def attnx(*args, cwd=None):
-    return subprocess.run([*ATTNX, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+from support.cli import run as attnx
 
 
 def test_export_defaults_writes_under_workdir(tmp_path):

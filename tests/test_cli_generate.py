@@ -1,33 +1,21 @@
-"""`attnx export --with-past`, `attnx generate` and `attnx build-engine` on a with-past file, through the real
-command line: the streamed text is what the runtime generates in process (itself equal to transformers'
+"""`attnx export --with-past`, `attnx generate` and `attnx build-engine` on a with-past file, through the
+command line (in process): the streamed text is what the runtime generates in process (itself equal to transformers'
 greedy ``generate``, test_generation.py), bad flags are one line, an engine builds with a past-length profile."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 import generation_fixtures as gf
+from support.cli import run as attnx
 
-ATTNX = [sys.executable, "-m", "attnx.cli.main"]
 PROMPT = "the cat sat on the mat"
 
 
-def attnx(*args, cwd=None):
-    return subprocess.run([*ATTNX, *args], capture_output=True, text=True, cwd=cwd, timeout=600,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return gf.base(tmp_path_factory)
-
-
-def test_export_with_past_then_generate(root, tmp_path):
-    source = gf.folder(root, "gpt2")
+def test_export_with_past_then_generate(tmp_path):
+    source = gf.folder("gpt2")
     proc = attnx("export", "--from-pretrained", str(source), "--variant", "smal", "--with-past", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "attnx-out" / "gpt2-smal-with-past" / "model.onnx"
@@ -51,8 +39,8 @@ def test_export_with_past_then_generate(root, tmp_path):
     assert seeded[0] == seeded[1]
 
 
-def test_generate_exports_a_hugging_face_folder_on_first_use(root, tmp_path):
-    source = gf.folder(root, "llama")
+def test_generate_exports_a_hugging_face_folder_on_first_use(tmp_path):
+    source = gf.folder("llama")
     proc = attnx("generate", str(source), PROMPT, "-n", "6", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "exporting" in proc.stderr and (tmp_path / "attnx-out" / "llama-mha-with-past" / "model.onnx").is_file()
@@ -68,30 +56,29 @@ def test_generate_exports_a_hugging_face_folder_on_first_use(root, tmp_path):
 @pytest.mark.parametrize("args,message", [(["-n", "0"], "max_new_tokens must be >= 1"),
                                           (["--top-p", "1.5"], "--top-p"),
                                           (["--temperature", "-1"], "--temperature")])
-def test_bad_flags_are_one_line(root, args, message):
-    path = gf.export(root, gf.folder(root, "llama"), "mha")
+def test_bad_flags_are_one_line(args, message):
+    path = gf.export(gf.folder("llama"), "mha")
     proc = attnx("generate", str(path), PROMPT, *args)
     assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_a_full_sequence_export_cannot_generate(root, tmp_path):
+def test_a_full_sequence_export_cannot_generate(tmp_path):
     out = tmp_path / "full.onnx"
-    assert attnx("export", "--from-pretrained", str(gf.folder(root, "llama")), "-o", str(out)).returncode == 0
+    assert attnx("export", "--from-pretrained", str(gf.folder("llama")), "-o", str(out)).returncode == 0
     proc = attnx("generate", str(out), PROMPT)
     assert proc.returncode != 0 and "--with-past" in proc.stderr
     proc = attnx("export", "--variant", "mha", "--with-past", "-o", str(tmp_path / "x.onnx"))
     assert proc.returncode != 0 and "--from-pretrained" in proc.stderr
-    proc = attnx("export", "--from-pretrained", str(gf.folder(root, "bert")), "--with-past", "-o",
+    proc = attnx("export", "--from-pretrained", str(gf.folder("bert")), "--with-past", "-o",
                  str(tmp_path / "b" / "model.onnx"))
     assert proc.returncode != 0 and "causal LM" in proc.stderr
 
 
 @pytest.mark.rtx
-def test_build_engine_on_a_with_past_export(root, tmp_path):
+def test_build_engine_on_a_with_past_export(tmp_path):
     """TensorRT-RTX builds the decoder with profiles for the cache's axes (past 1..positions); `attnx check`
     verifies the ONNX file and says the engine could not run here (no GPU)."""
-    pytest.importorskip("tensorrt_rtx_bindings")
-    path = gf.export(root, gf.folder(root, "llama"), "mha")
+    path = gf.export(gf.folder("llama"), "mha")
     engine = tmp_path / "llama.engine"
     proc = attnx("build-engine", str(path), "-o", str(engine))
     assert proc.returncode == 0, proc.stderr
@@ -103,7 +90,7 @@ def test_build_engine_on_a_with_past_export(root, tmp_path):
     assert "PASS" in proc.stdout or "engine not run here" in proc.stdout
 
 
-def test_the_fp16_file_of_a_with_past_export_agrees_with_fp32_on_a_cached_step(root, tmp_path):
+def test_the_fp16_file_of_a_with_past_export_agrees_with_fp32_on_a_cached_step(tmp_path):
     """The fp16 conversion `attnx build-engine --fp16` makes of a decoder with its cache (attention in fp16 there:
     TensorRT-RTX 1.7 cannot fuse an fp32 attention whose k/v are also graph outputs) computes what the fp32 file
     does on a left-padded cached step, to fp16's precision (ONNX Runtime)."""
@@ -112,7 +99,7 @@ def test_the_fp16_file_of_a_with_past_export_agrees_with_fp32_on_a_cached_step(r
 
     from attnx.engine.fp16 import ensure_fp16
 
-    path = gf.export(root, gf.folder(root, "llama"), "mha")
+    path = gf.export(gf.folder("llama"), "mha")
     half, _ = ensure_fp16(path, tmp_path / "model-fp16.onnx")
     s32, s16 = ort.InferenceSession(str(path)), ort.InferenceSession(str(half))
     rng = np.random.default_rng(0)
@@ -133,11 +120,10 @@ def test_the_fp16_file_of_a_with_past_export_agrees_with_fp32_on_a_cached_step(r
 
 
 @pytest.mark.rtx
-def test_build_engine_fp16_on_a_with_past_export(root, tmp_path):
-    pytest.importorskip("tensorrt_rtx_bindings")
+def test_build_engine_fp16_on_a_with_past_export(tmp_path):
     from attnx.engine.fp16 import ensure_fp16
 
-    half, _ = ensure_fp16(gf.export(root, gf.folder(root, "llama"), "smal"), tmp_path / "model-fp16.onnx")
+    half, _ = ensure_fp16(gf.export(gf.folder("llama"), "smal"), tmp_path / "model-fp16.onnx")
     engine = tmp_path / "llama16.engine"
     proc = attnx("build-engine", str(half), "-o", str(engine))
     assert proc.returncode == 0, proc.stderr

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import onnx
 
 from conftest_runtime import EXPORT_KW
+from support.cli import run as attnx
 
 
 def test_build_engine_refuses_to_write_over_its_source_model(exported, tmp_path):
@@ -19,8 +18,7 @@ def test_build_engine_refuses_to_write_over_its_source_model(exported, tmp_path)
     before = model.read_bytes()
     for spelled in (model, tmp_path / "sub" / ".." / "v.onnx"):
         (tmp_path / "sub").mkdir(exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "attnx.cli.main", "build-engine", str(model), "-o", str(spelled)],
-                              capture_output=True, text=True, timeout=300)
+        proc = attnx("build-engine", model, "-o", spelled)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "is the model itself" in lines[0] and "v.engine" in lines[0], proc.stderr

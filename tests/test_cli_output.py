@@ -4,23 +4,21 @@ with "…", lines never wrapped mid-number, no spinner line; and `attnx inspect`
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from support.cli import subprocess_run
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 
 def piped(*args, cwd: Path) -> subprocess.CompletedProcess:
-    """The CLI with stdout and stderr going to pipes and no COLUMNS: what a CI job sees."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    env.update(ATTNX_WORKDIR=str(cwd / "attnx-out"), NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    """The CLI as a real process with stdout and stderr going to pipes and no COLUMNS: what a CI job sees
+    (the console's width is decided when the process starts, so only a process shows it)."""
+    return subprocess_run(*args, cwd=cwd, unset=("COLUMNS", "LINES"))
 
 
 @pytest.fixture(scope="module")

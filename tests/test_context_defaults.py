@@ -17,7 +17,8 @@ import tritonclient.http as httpclient
 
 from attnx.contract import ContractError, ModelInfo, TensorEntry
 from attnx.runtime import TextModel
-from conftest_runtime import minilm_export, running_server
+from conftest_runtime import running_server
+from support import exports
 
 TEXTS = ["Will it rain tomorrow?", "Heavy rain is expected tomorrow, with winds from the north."]
 ZEROS = {"self_state": np.zeros((2, 32), np.float32), "trace": np.zeros((2, 32, 32), np.float32)}
@@ -25,7 +26,7 @@ ZEROS = {"self_state": np.zeros((2, 32), np.float32), "trace": np.zeros((2, 32, 
 
 @pytest.fixture(scope="module")
 def smal(tmp_path_factory):
-    return minilm_export(tmp_path_factory, "smal")
+    return exports.minilm("smal").path
 
 
 @pytest.fixture(scope="module")

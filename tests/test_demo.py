@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,7 +17,9 @@ import numpy as np
 import pytest
 
 from attnx.cli import demo_minilm as demo
-from conftest_runtime import running_server, sentence_transformer
+from conftest_runtime import running_server
+from support import exports
+from support.cli import run as attnx
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "semantic_search.py"
@@ -33,7 +34,7 @@ def server(minilm_export):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 def st_search(st, queries: list[str], corpus: list[str], k: int):
@@ -129,12 +130,6 @@ def test_example_client_unknown_model_is_one_line(server):
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", "nope", "--url", server.address],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "unknown model 'nope'" in proc.stderr
-
-
-def attnx(*args, cwd: Path, timeout: int = 600):
-    env = {**os.environ, "COLUMNS": "160", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_toy_demo_still_runs_one_variant(tmp_path):

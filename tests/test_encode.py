@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from attnx.runtime import TextModel, load
-from attnx.runtime.text import TextTokenizer
-from conftest_runtime import cosine_rows, long_text, minilm_export, sentence_transformer
+from attnx.runtime.core.text import TextTokenizer
+from conftest_runtime import cosine_rows, long_text
+from support import exports
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
@@ -22,7 +23,7 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The 
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return exports.minilm().path
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def model(minilm):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 32])
@@ -78,7 +79,7 @@ def test_a_folder_loads_and_a_missing_tokenizer_is_a_clear_error(minilm, tmp_pat
 
 def test_a_variant_placed_in_minilm_still_equals_sentence_transformers(tmp_path_factory, st):
     """smal placed at its neutral values computes the original model; its context rows go with the texts."""
-    path = minilm_export(tmp_path_factory, "smal")
+    path = exports.minilm("smal").path
     model = TextModel(path, device="cpu")
     context = {}
     for spec in model.session.inputs:
@@ -105,7 +106,7 @@ VOCAB_WORDS = ["<|endoftext|>", "[UNK]"] + sorted(set(" ".join(SENTENCES[:9]).lo
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -149,7 +150,7 @@ def test_gpt2_logits_for_text_equal_transformers(gpt2):
 def test_one_call_runs_texts_of_like_length_together():
     """Longest first, cut where a run reaches batch_size or its longest exceeds 1.5x the next text (the server's
     ratio): little padding, the same numbers as one padded batch (issue 25)."""
-    from attnx.runtime.encode import length_chunks
+    from attnx.runtime.core.encode import length_chunks
 
     lengths = [78, 4, 70, 12, 11, 5, 9, 37]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
@@ -160,7 +161,7 @@ def test_one_call_runs_texts_of_like_length_together():
 
 def test_length_runs_give_the_padded_batchs_numbers(model, monkeypatch):
     from attnx.pretrained.sentences import CALIBRATION, SENTENCES
-    from attnx.runtime import encode as encode_module
+    from attnx.runtime.core import encode as encode_module
 
     texts = [*SENTENCES, *CALIBRATION]
     runs = model.encode(texts, batch_size=32)

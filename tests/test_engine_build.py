@@ -35,10 +35,8 @@ def custom_nodes(variant: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def backend():
-    if not tb.is_available():
-        pytest.skip("no TensorRT (full or RTX) installed")
-    return tb.backend()
+def backend(rtx):
+    return rtx
 
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])

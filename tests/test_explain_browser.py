@@ -8,7 +8,6 @@ own browser download is not used (no network), the system chromium is."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,12 +15,14 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from explain_fixtures import minilm_export  # noqa: E402
+from explain_fixtures import explained_minilm  # noqa: E402
 
-from attnx.interp.explain import explain  # noqa: E402
+from attnx.explain.explanation import explain  # noqa: E402
 from attnx.interp.source import open_source  # noqa: E402
+from support.cli import run as attnx  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.chromium
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--no-first-run"]
 TEXT = "The cat sat on the mat."
@@ -31,7 +32,6 @@ TEXT = "The cat sat on the mat."
 def browser():
     from playwright.sync_api import sync_playwright
 
-    assert Path(CHROMIUM).is_file(), "Debian's chromium is needed: apt-get install -y chromium"
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         yield b
@@ -40,10 +40,9 @@ def browser():
 
 @pytest.fixture(scope="module")
 def page_file(tmp_path_factory):
-    export = minilm_export(tmp_path_factory)
+    export = explained_minilm()
     out = tmp_path_factory.mktemp("page") / "minilm.html"
-    res = subprocess.run([sys.executable, "-m", "attnx.cli.main", "explain", str(export.path), TEXT, "-o", str(out),
-                          "--ablate", "--layer", "0", "--no-png"], capture_output=True, text=True, timeout=600)
+    res = attnx("explain", str(export.path), TEXT, "-o", str(out), "--ablate", "--layer", "0", "--no-png")
     assert res.returncode == 0, res.stderr
     return export, out
 
@@ -118,7 +117,7 @@ def test_switching_heads_draws_that_heads_weights(browser, page_file):
 
 
 def test_comparison_page_shows_both_maps_and_the_difference(browser, tmp_path_factory, tmp_path):
-    result = minilm_export(tmp_path_factory, "smal", randomize=True, layers=[0, 1])
+    result = explained_minilm("smal", randomize=True, layers=[0, 1])
     src = open_source(result.path)
     spec = {e.name: e for e in src.facts.context_inputs}
     dh, d_self = spec["trace"].shape[-1], spec["self_state"].shape[1]
@@ -126,9 +125,7 @@ def test_comparison_page_shows_both_maps_and_the_difference(browser, tmp_path_fa
     a.write_text(json.dumps({"self_state": [0.0] * d_self, "trace": (0.05 * np.eye(dh)).tolist()}))
     b.write_text(json.dumps({"self_state": [1.5] * d_self}))
     out = tmp_path / "cmp.html"
-    res = subprocess.run([sys.executable, "-m", "attnx.cli.main", "explain", str(result.path), TEXT, "--context",
-                          str(a), "--against", str(b), "-o", str(out), "--no-png"], capture_output=True, text=True,
-                         timeout=600)
+    res = attnx("explain", str(result.path), TEXT, "--context", str(a), "--against", str(b), "-o", str(out), "--no-png")
     assert res.returncode == 0, res.stderr
     page, errors, _ = _open(browser, out)
     maps = {}

@@ -6,7 +6,6 @@ head's output-projection columns zeroed), plain exports are unchanged, engines k
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,16 +15,17 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from explain_fixtures import MINILM, ablate_columns, minilm_export, ort_run  # noqa: E402
+from explain_fixtures import MINILM, ablate_columns, explained_minilm, ort_run  # noqa: E402
 
 from attnx.contract import ModelInfo  # noqa: E402
 from attnx.export import export_encoder, export_variant  # noqa: E402
 from attnx.export.pretrained import export_pretrained  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 from attnx.models import VARIANTS, build_encoder  # noqa: E402
 from attnx.models.signature import example_tensor  # noqa: E402
 
-transformers = pytest.importorskip("transformers")  # a guard only: installed with attnx[dev]
+import transformers
+from support.cli import run as attnx
 transformers.logging.set_verbosity_error()
 SMALL = {"d_model": 32, "n_heads": 4}
 B, L = 3, 7
@@ -107,11 +107,9 @@ def test_chosen_layers_only_and_plain_exports_unchanged(tmp_path):
 
 
 def test_export_errors_are_one_line(tmp_path):
-    attnx = [sys.executable, "-m", "attnx.cli.main"]
     for value, needle in (("7", "layer 7 out of range: the model has 2 layers"), ("x,1", "expected all or layer")):
-        res = subprocess.run([*attnx, "export", "--variant", "mha", "--set", "d_model=32", "--set", "n_heads=4",
-                              "--attention-outputs", value, "-o", str(tmp_path / "x.onnx")],
-                             capture_output=True, text=True, timeout=300)
+        res = attnx("export", "--variant", "mha", "--set", "d_model=32", "--set", "n_heads=4", "--attention-outputs",
+                    value, "-o", str(tmp_path / "x.onnx"))
         assert res.returncode != 0 and needle in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
         assert not (tmp_path / "x.onnx").exists()
@@ -205,8 +203,6 @@ def test_small_bert_and_gpt2_folders_equal_transformers(tmp_path):
 def test_engine_keeps_attention_outputs_and_head_mask(variant_exports, plugin_lib, tmp_path):
     from attnx import engine as eng
 
-    if not eng.is_available():
-        pytest.skip("no TensorRT (full or RTX) installed")
     for variant in ("mha", "smal"):
         res = variant_exports[variant]
         built = eng.build(res.path, tmp_path / f"{variant}.engine", target="sm89")
@@ -221,8 +217,8 @@ def test_engine_keeps_attention_outputs_and_head_mask(variant_exports, plugin_li
         assert built.inlined_custom_nodes == 0
 
 
-def test_minilm_export_fixture_has_everything(tmp_path_factory):
-    result = minilm_export(tmp_path_factory)
+def test_explained_minilm_has_everything():
+    result = explained_minilm()
     info = ModelInfo.read(result.path)
     assert [n for n in info.output_names if n.startswith("attentions.")] == [f"attentions.{i}" for i in range(6)]
     assert info.input("head_mask").shape == (6, 12)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,21 +14,21 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from explain_fixtures import MINILM, ablate_columns, minilm_export  # noqa: E402
+from explain_fixtures import MINILM, ablate_columns, explained_minilm  # noqa: E402
 
-from attnx.interp.analysis import MIXED, analyze_patterns  # noqa: E402
-from attnx.interp.explain import ablation_table, compare_contexts, explain  # noqa: E402
-from attnx.interp.hooks import hooks  # noqa: E402
-from attnx.interp.page import explanation_page  # noqa: E402
-from attnx.interp.source import ExplainError, open_source, reference_source  # noqa: E402
+from attnx.explain.analysis import MIXED, analyze_patterns  # noqa: E402
+from attnx.explain.explanation import compare_contexts, explain  # noqa: E402
+from attnx.models.hooks import hooks  # noqa: E402
+from attnx.explain.page import explanation_page  # noqa: E402
+from attnx.explain.source import ExplainError  # noqa: E402
+from attnx.interp.patching import ablation_table  # noqa: E402
+from attnx.interp.source import open_source, reference_source  # noqa: E402
 from attnx.pretrained.sentences import SENTENCES  # noqa: E402
-
-ATTNX = [sys.executable, "-m", "attnx.cli.main"]
-
+from support.cli import run as attnx  # noqa: E402
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return explained_minilm()
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +131,7 @@ def test_patching_column_is_activation_patching(export, source):
 
 def test_cli_prints_the_table_writes_page_and_pngs(export, tmp_path):
     page = tmp_path / "page.html"
-    res = subprocess.run([*ATTNX, "explain", str(export.path), "The cat sat on the mat.", "-o", str(page),
-                          "--layer", "0", "--json"], capture_output=True, text=True, timeout=300)
+    res = attnx("explain", str(export.path), "The cat sat on the mat.", "-o", str(page), "--layer", "0", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["tokens"][0] == ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
@@ -142,8 +140,8 @@ def test_cli_prints_the_table_writes_page_and_pngs(export, tmp_path):
     html = page.read_text()
     assert "attnx-data" in html and '"[CLS]"' in html
     assert (tmp_path / "page-heatmaps" / "layer0.png").stat().st_size > 5000
-    res = subprocess.run([*ATTNX, "explain", str(export.path), "The cat sat on the mat.", "-o", str(page),
-                          "--ablate", "--layer", "1", "--no-reference"], capture_output=True, text=True, timeout=300)
+    res = attnx("explain", str(export.path), "The cat sat on the mat.", "-o", str(page), "--ablate", "--layer", "1",
+                "--no-reference")
     assert res.returncode == 0, res.stderr
     assert "each head ablated" in res.stdout and "previous_token" not in res.stdout.split("each head ablated")[1]
 
@@ -161,16 +159,14 @@ def test_bad_input_is_one_clear_error(export, tmp_path):
     plain = tmp_path / "plain.onnx"
     from attnx.export.pretrained import export_pretrained
 
-    res = subprocess.run([*ATTNX, "explain", str(export.path), "hi", "--layer", "6"], capture_output=True, text=True,
-                         timeout=300)
+    res = attnx("explain", str(export.path), "hi", "--layer", "6")
     assert res.returncode != 0 and "layer 6 out of range" in res.stderr and "6 layers" in res.stderr
-    res = subprocess.run([*ATTNX, "explain", str(export.path), "hi", "--mask", "0.12"], capture_output=True,
-                         text=True, timeout=300)
+    res = attnx("explain", str(export.path), "hi", "--mask", "0.12")
     assert res.returncode != 0 and "head 12 out of range" in res.stderr
     for err in (res.stderr,):
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     export_pretrained(MINILM, plain)  # no attention outputs, no head mask
-    res = subprocess.run([*ATTNX, "explain", str(plain), "hi"], capture_output=True, text=True, timeout=300)
+    res = attnx("explain", str(plain), "hi")
     assert res.returncode != 0 and "has no attention outputs" in res.stderr and "--attention-outputs" in res.stderr
     src = open_source(export.path)
     with pytest.raises(ExplainError, match=r"head_mask: shape \[12, 6\], .* takes \[6, 12\]"):
@@ -185,7 +181,7 @@ def test_bad_input_is_one_clear_error(export, tmp_path):
 
 
 def test_context_comparison_smal(tmp_path_factory, tmp_path):
-    result = minilm_export(tmp_path_factory, "smal", randomize=True, layers=[0, 1])
+    result = explained_minilm("smal", randomize=True, layers=[0, 1])
     src = open_source(result.path)
     spec = {e.name: e for e in src.facts.context_inputs}
     assert set(spec) == {"self_state", "trace"}
@@ -194,7 +190,7 @@ def test_context_comparison_smal(tmp_path_factory, tmp_path):
     dh = spec["trace"].shape[-1]  # the trace is shared (given once): only self_state differs
     a_json.write_text(json.dumps({"self_state": [0.0] * d_self, "trace": (0.05 * np.eye(dh)).tolist()}))
     b_json.write_text(json.dumps({"self_state": [1.5] * d_self}))
-    from attnx.interp.source import read_context
+    from attnx.explain.source import read_context
 
     cmp = compare_contexts(src, ["The cat sat on the mat."], read_context(a_json, src.facts),
                            read_context(b_json, src.facts))
@@ -208,20 +204,18 @@ def test_context_comparison_smal(tmp_path_factory, tmp_path):
             np.testing.assert_allclose(ex.patterns[layer], want.patterns[layer], atol=1e-5, rtol=0)
     data = explanation_page(cmp.a, compare=cmp)
     assert '"labels":["A","B"]' in data and "output_distance" in data
-    res = subprocess.run([*ATTNX, "explain", str(result.path), "The cat sat on the mat.", "--context", str(a_json),
-                          "--against", str(b_json), "-o", str(tmp_path / "cmp.html"), "--no-png"],
-                         capture_output=True, text=True, timeout=300)
+    res = attnx("explain", str(result.path), "The cat sat on the mat.", "--context", str(a_json), "--against",
+                str(b_json), "-o", str(tmp_path / "cmp.html"), "--no-png")
     assert res.returncode == 0, res.stderr
     assert "output distance (context A vs B)" in res.stdout
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"self_state": [0.0] * (d_self + 1)}))
-    res = subprocess.run([*ATTNX, "explain", str(result.path), "hi", "--context", str(bad)], capture_output=True,
-                         text=True, timeout=300)
+    res = attnx("explain", str(result.path), "hi", "--context", str(bad))
     assert res.returncode != 0 and "self_state has shape" in res.stderr
 
 
 def test_maw_page_shows_the_depth_chosen_per_example(tmp_path_factory):
-    result = minilm_export(tmp_path_factory, "maw", randomize=True)
+    result = explained_minilm("maw", randomize=True)
     src = open_source(result.path)
     extras = [e.name for e in src.facts.extra_outputs]
     assert extras and src.facts.n_layers == 7  # six MiniLM layers and the appended MAW layer

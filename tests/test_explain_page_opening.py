@@ -11,8 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from attnx.interp.analysis import PATTERNS, HeadBehavior
-from attnx.interp.page import add_ablation, add_comparison, opening_view, page_data, render_page
+from attnx.explain.analysis import PATTERNS, HeadBehavior
+from attnx.explain.page import add_ablation, add_comparison, opening_view, page_data, render_page
 
 
 def behavior(layer, head, score, entropy=1.0):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,16 +17,17 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest_runtime import running_server  # noqa: E402
-from explain_fixtures import minilm_export, ort_run  # noqa: E402
+from explain_fixtures import explained_minilm, ort_run  # noqa: E402
 
-from attnx.interp.explain import explain  # noqa: E402
+from attnx.explain.explanation import explain  # noqa: E402
 from attnx.interp.source import open_source  # noqa: E402
 from attnx.runtime import BatcherConfig, load  # noqa: E402
+from support.cli import run as attnx  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return explained_minilm()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_attentions_only_when_named_and_head_mask_optional(server, export, batch
 
 def test_batching_with_head_masks_and_attention_maps(export, batch):
     session = load(export.path, device="cpu")
-    from attnx.runtime.batcher import DynamicBatcher
+    from attnx.runtime.core.batcher import DynamicBatcher
 
     rng = np.random.default_rng(0)
     texts = ["Hi!", "The cat sat on the mat.", "A man is playing a guitar.", "Ok.", "Where is the station?"]
@@ -137,9 +137,8 @@ def test_explain_a_server_url_equals_the_export(server, export, tmp_path):
     a, b = explain(remote, texts), explain(local, texts)
     for x, y in zip(a.behaviors, b.behaviors):
         assert x.primary_pattern == y.primary_pattern and x.entropy == pytest.approx(y.entropy, abs=1e-5)
-    res = subprocess.run([sys.executable, "-m", "attnx.cli.main", "explain", server.url, "The cat sat on the mat.",
-                          "--model", "minilm", "--layer", "0", "--ablate", "-o", str(tmp_path / "p.html"), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = attnx("explain", server.url, "The cat sat on the mat.", "--model", "minilm", "--layer", "0", "--ablate", "-o",
+                str(tmp_path / "p.html"), "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["ablation"]["columns"] == ["ablated (deployed)"]  # no weights on the client: no torch columns

@@ -9,8 +9,8 @@ at its neutral values, then
 - ``attnx build-engine --fp16`` builds (TensorRT-RTX);
 - text served by ``attnx serve`` equals the same text run directly (``TextModel``).
 
-Each figure lands in ``attnx-out/support-matrix.json`` (or ``$ATTNX_SUPPORT_MATRIX``), from which
-``tools/support_matrix.py`` writes docs/models.md.
+With ``$ATTNX_SUPPORT_MATRIX`` naming a file, each figure lands there, from which
+``tools/support_matrix.py`` writes docs/models.md (tests write nothing outside their tmp folders otherwise).
 """
 
 from __future__ import annotations
@@ -29,14 +29,23 @@ import hf_folders  # noqa: E402
 from conftest_runtime import running_server  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 
 ROWS = [(name, variant) for name, fam in hf_folders.FAMILIES.items() for variant in ("mha", fam.variant)]
 IDS = [f"{name}-{variant}" for name, variant in ROWS]
 RESULTS: dict[str, dict] = {}
-MATRIX = Path(os.environ.get("ATTNX_SUPPORT_MATRIX", Path(__file__).parent.parent / "attnx-out" / "support-matrix.json"))
+MATRIX = Path(os.environ["ATTNX_SUPPORT_MATRIX"]) if os.environ.get("ATTNX_SUPPORT_MATRIX") else None
+
+
+def write_matrix(figures: dict) -> None:
+    """Merge ``figures`` into ``$ATTNX_SUPPORT_MATRIX`` (when set)."""
+    if MATRIX is None:
+        return
+    previous = json.loads(MATRIX.read_text()) if MATRIX.is_file() else {}
+    MATRIX.parent.mkdir(parents=True, exist_ok=True)
+    MATRIX.write_text(json.dumps({**previous, **figures}, indent=1, sort_keys=True))
 
 
 def record(name: str, variant: str, **figures) -> None:
@@ -47,16 +56,14 @@ def record(name: str, variant: str, **figures) -> None:
 def toy_and_matrix(toy_registered):
     """The toy variant registered for this module only; the matrix written at the end."""
     yield
-    previous = json.loads(MATRIX.read_text()) if MATRIX.is_file() else {}
-    MATRIX.parent.mkdir(parents=True, exist_ok=True)
-    MATRIX.write_text(json.dumps({**previous, **RESULTS, "_versions": {
+    write_matrix({**RESULTS, "_versions": {
         "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
-        "onnxruntime": __import__("onnxruntime").__version__}}, indent=1, sort_keys=True))
+        "onnxruntime": __import__("onnxruntime").__version__}})
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return hf_folders.lazy_folders(tmp_path_factory.mktemp("families"))
+def folders():
+    return hf_folders.lazy_folders()
 
 
 @pytest.fixture(scope="module")
@@ -151,10 +158,7 @@ def test_check_passes(name, variant, exports, tmp_path):
 @pytest.mark.parametrize(("name", "variant"), ROWS, ids=IDS)
 def test_engine_builds_fp16(name, variant, exports, plugin_lib, tmp_path):
     from attnx import engine
-    from attnx.engine import discovery
 
-    if not discovery.is_available():
-        pytest.skip("no TensorRT (full or RTX) installed")
     result = exports(name, variant)
     built = engine.build(result.path, tmp_path / f"{name}-{variant}.engine", fp16=True, target="sm89",
                          plugins=plugin_lib)

@@ -4,17 +4,15 @@ TensorRT fills with float32's largest value; `attnx build-engine` says so in one
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
 from attnx.engine.fp16 import unbounded_clips
-from conftest_runtime import minilm_export
+from support import exports
+from support.cli import run as attnx
 
 
 def test_unbounded_clips_are_the_ones_without_an_upper_bound(tmp_path):
@@ -33,11 +31,7 @@ def test_unbounded_clips_are_the_ones_without_an_upper_bound(tmp_path):
 
 @pytest.mark.rtx
 def test_an_fp16_build_explains_its_precision_warnings(tmp_path_factory, tmp_path):
-    from attnx import engine as eng
-
-    if not eng.is_available():
-        pytest.skip("no TensorRT (full or RTX) installed")
-    src = minilm_export(tmp_path_factory)  # sentence pooling: clamp(min=...) twice
+    src = exports.minilm().path  # sentence pooling: clamp(min=...) twice
     work = tmp_path / "m"
     work.mkdir()
     shutil.copy(src, work / src.name)
@@ -45,9 +39,7 @@ def test_an_fp16_build_explains_its_precision_warnings(tmp_path_factory, tmp_pat
     weights = src.with_suffix(".safetensors")
     if weights.is_file():
         shutil.copy(weights, work / weights.name)
-    run = subprocess.run([sys.executable, "-m", "attnx.cli.main", "build-engine", "--fp16", str(work / src.name)],
-                         capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "ATTNX_WORKDIR": str(tmp_path), "NO_COLOR": "1"})
+    run = attnx("build-engine", "--fp16", str(work / src.name), env={"ATTNX_WORKDIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr
     notes = [line for line in run.stderr.splitlines() if line.startswith("note: TensorRT's 'precision-lose casting'")]
     assert len(notes) == 1, run.stderr

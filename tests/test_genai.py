@@ -16,18 +16,13 @@ import pytest
 
 import generation_fixtures as gf
 
-og = pytest.importorskip("onnxruntime_genai")
+import onnxruntime_genai as og
 
 from attnx.contract import ModelInfo  # noqa: E402
 from attnx.export.genai import genai_support  # noqa: E402
 from attnx.runtime import TextModel  # noqa: E402
 
 PROMPT = "the cat sat on the mat"
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return gf.base(tmp_path_factory)
 
 
 def genai_greedy(folder, ids: list[int], n: int, extra: dict | None = None) -> list[int]:
@@ -49,8 +44,8 @@ def genai_greedy(folder, ids: list[int], n: int, extra: dict | None = None) -> l
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_onnxruntime_genai_generates_the_tokens_attnx_generates(root, family):
-    path = gf.export(root, gf.folder(root, family), "mha")
+def test_onnxruntime_genai_generates_the_tokens_attnx_generates(family):
+    path = gf.export(gf.folder(family), "mha")
     config = json.loads((path.parent / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "model.onnx" and not genai_support(ModelInfo.read(path))
     assert (path.parent / "tokenizer.json").is_file()
@@ -64,18 +59,18 @@ def test_onnxruntime_genai_generates_the_tokens_attnx_generates(root, family):
     assert tok.decode(tok.encode(PROMPT)) == PROMPT
 
 
-def test_a_variant_with_context_inputs_is_refused_as_said(root):
+def test_a_variant_with_context_inputs_is_refused_as_said():
     """cultural keeps k and v only, but takes a context input, which onnxruntime-genai 0.18 cannot feed to a text
     decoder (set_inputs is refused for its model types): the reason attnx gives is the one it hits."""
-    path = gf.export(root, gf.trained_folder(root, "gpt2", "cultural"), None)
+    path = gf.export(gf.trained_folder("gpt2", "cultural"), None)
     why = " ".join(genai_support(ModelInfo.read(path)))
     assert "cultural" in why and "set_inputs" in why.lower()
     with pytest.raises(RuntimeError, match="SetInputs is not supported"):
         genai_greedy(path.parent, [1, 5, 6], 4, {"cultural": np.full((1, 32), 0.7, np.float32)})
 
 
-def test_what_onnxruntime_genai_cannot_run_is_said(root):
-    path = gf.export(root, gf.trained_folder(root, "llama", "smal"), None, "rewrite")
+def test_what_onnxruntime_genai_cannot_run_is_said():
+    path = gf.export(gf.trained_folder("llama", "smal"), None, "rewrite")
     why = " ".join(genai_support(ModelInfo.read(path)))
     assert "key_term" in why and "self_state" in why
     with pytest.raises(Exception):  # it never feeds past_key_values.{i}.key_term

@@ -3,7 +3,7 @@ generation loop and sampling, each against transformers itself.
 
 - the criterion, for every variant (moved off its neutral values, so the variant's own math is what the
   cache carries): greedy generation with the cache (a left-padded batch of two prompts, driven by the
-  runtime's own :class:`~attnx.runtime.decoding.Decoder`) equals greedy generation by re-running the full
+  runtime's own :class:`~attnx.runtime.core.decoding.Decoder`) equals greedy generation by re-running the full
   sequence each step, token for token; maw in an earlier layer, whose cached form is documented as not
   exact, equals it while its depth stays the same;
 - the with-past ONNX export on ONNX Runtime equals transformers' own ``generate`` (mha and a neutral
@@ -25,21 +25,16 @@ import torch
 
 import generation_fixtures as gf
 
-transformers = pytest.importorskip("transformers")
+import transformers
 transformers.logging.set_verbosity_error()
 
 from attnx import pretrained  # noqa: E402
 from attnx.parity.generation import TorchSession  # noqa: E402
 from attnx.pretrained.cached import CachedHost  # noqa: E402
-from attnx.runtime.decoding import Decoder, NotAGenerator  # noqa: E402
-from attnx.runtime.sampling import SamplingError, SamplingParams, sampling_params  # noqa: E402
+from attnx.runtime.core.decoding import Decoder, NotAGenerator  # noqa: E402
+from attnx.runtime.core.sampling import SamplingError, SamplingParams, sampling_params  # noqa: E402
 
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return gf.base(tmp_path_factory)
 
 
 pytestmark = pytest.mark.usefixtures("toy_registered")  # the toy variant, for this module only
@@ -75,8 +70,8 @@ CASES = [("llama", "mha", {}), ("llama", "smal", {}), ("gpt2", "cultural", {}), 
 
 @pytest.mark.parametrize("family,variant,placement", CASES,
                          ids=[f"{f}-{v}{'-' + '-'.join(map(str, p.get('layers', []))) if p else ''}" for f, v, p in CASES])
-def test_cache_equals_full_recompute(root, family, variant, placement):
-    host = pretrained.load(gf.folder(root, family), variant, **placement)
+def test_cache_equals_full_recompute(family, variant, placement):
+    host = pretrained.load(gf.folder(family), variant, **placement)
     gf.move_off_neutral(host)
     ctx = gf.neutral_context(host.context_inputs())
     batch = prompts(host.vocab_size)
@@ -87,11 +82,11 @@ def test_cache_equals_full_recompute(root, family, variant, placement):
         assert cached_greedy(host, batch, STEPS, ctx, attention="reference") == want
 
 
-def test_maw_in_an_earlier_layer_equals_full_recompute_while_its_depth_holds(root):
+def test_maw_in_an_earlier_layer_equals_full_recompute_while_its_depth_holds():
     """maw's documented cached semantics in a layer before the last: past tokens keep their step's keys; with
     the depth fixed (the policy's last bias makes one depth win), cached == full recompute."""
     torch.manual_seed(0)  # maw's own parameters start random
-    host = pretrained.load(gf.folder(root, "llama"), "maw", layers=[0], append=0)
+    host = pretrained.load(gf.folder("llama"), "maw", layers=[0], append=0)
     gf.move_off_neutral(host)
     with torch.no_grad():
         policy = host.blocks[0].attn.policy[-1]
@@ -103,7 +98,7 @@ def test_maw_in_an_earlier_layer_equals_full_recompute_while_its_depth_holds(roo
     # a policy that changes its depth as the sequence grows: re-running the sequence recomputes the past
     # tokens of layer 0 under the new depth, the cache does not (the documented difference shows)
     torch.manual_seed(0)
-    host = pretrained.load(gf.folder(root, "llama"), "maw", layers=[0], append=0)
+    host = pretrained.load(gf.folder("llama"), "maw", layers=[0], append=0)
     gf.move_off_neutral(host)
     with torch.no_grad():
         host.blocks[0].attn.policy[-1].bias.copy_(torch.tensor([0.0, 0.0, 50.0, 0.0, 0.0]))
@@ -111,8 +106,8 @@ def test_maw_in_an_earlier_layer_equals_full_recompute_while_its_depth_holds(roo
     assert cached_greedy(host, batch, STEPS) != want
 
 
-def test_cache_layout_names_every_state(root):
-    cached = CachedHost.of(pretrained.load(gf.folder(root, "llama"), "maw"))  # appended after layer 1
+def test_cache_layout_names_every_state():
+    cached = CachedHost.of(pretrained.load(gf.folder("llama"), "maw"))  # appended after layer 1
     meta = cached.cache_metadata()
     names = {e["input"] for e in meta["entries"]}
     assert {"past_key_values.0.key", "past_key_values.1.value", "past_key_values.2.key", "past_key_values.2.value",
@@ -120,23 +115,23 @@ def test_cache_layout_names_every_state(root):
     assert meta["layers"] == 3 and meta["host_layers"] == 2
     assert {e["axis"] for e in meta["entries"] if e["name"] == "pool_sum"} == {None}
     assert "exact when appended" in meta["semantics"]["maw"]
-    smal = CachedHost.of(pretrained.load(gf.folder(root, "llama"), "smal")).cache_metadata()
+    smal = CachedHost.of(pretrained.load(gf.folder("llama"), "smal")).cache_metadata()
     assert [e["shape"] for e in smal["entries"] if e["name"] == "key_term"][0] == ["batch", 4, "past"]
     with pytest.raises(ValueError, match="causal LM"):
-        CachedHost.of(pretrained.load(gf.folder(root, "bert"), "mha"))
+        CachedHost.of(pretrained.load(gf.folder("bert"), "mha"))
 
 
 # --------------------------------------------------------------------------- the export
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_export_generates_as_transformers_does(root, family):
+def test_export_generates_as_transformers_does(family):
     """mha and a neutral placement (smal, every layer): greedy on ONNX Runtime == transformers' generate."""
     from attnx.runtime import TextModel
 
-    source = gf.folder(root, family)
+    source = gf.folder(family)
     for variant in ("mha", "smal"):
-        model = TextModel(gf.export(root, source, variant))
+        model = TextModel(gf.export(source, variant))
         ids = model.tokenizer.tokenize(["the cat sat on the mat"])[0].ids.tolist()
         pieces = list(model.generate("the cat sat on the mat", max_new_tokens=10, details=True))
         got = [p.token for p in pieces if p.token is not None]
@@ -149,14 +144,14 @@ def test_export_generates_as_transformers_does(root, family):
 
 @pytest.mark.parametrize("variant,lowering,placement", [("smal", "rewrite", {}), ("smal", "plugin", {}),
                                                          ("maw", "plugin", {})])
-def test_trained_export_equals_full_recompute(root, variant, lowering, placement):
+def test_trained_export_equals_full_recompute(variant, lowering, placement, tmp_path):
     """A trained placement (saved folder), exported with its cache: ONNX Runtime's greedy tokens, batched,
     equal the full-recompute reference's; ``attnx check`` passes on the file."""
     from attnx.parity import run_check
     from attnx.runtime import load
 
-    folder = gf.trained_folder(root, "llama", variant, **placement)
-    path = gf.export(root, folder, None, lowering)
+    folder = gf.trained_folder("llama", variant, **placement)
+    path = gf.export(folder, None, lowering)
     host = pretrained.load(folder)
     decoder = Decoder(load(path, device="cpu"))
     batch = prompts(host.vocab_size)
@@ -170,27 +165,24 @@ def test_trained_export_equals_full_recompute(root, variant, lowering, placement
             r.append(int(np.argmax(lg)))
     torch_ctx = {k: torch.from_numpy(v) for k, v in ctx.items()}
     assert out == [gf.greedy_full_recompute(host, p, STEPS, torch_ctx) for p in batch]
-    report = run_check(path, engine=None, workdir=root / "parity")
+    report = run_check(path, engine=None, workdir=tmp_path / "parity")
     assert report.kind == "generation" and report.passed, report.mismatches()
     assert any(c["output"] == "present.*" for c in report.comparisons)
 
 
-def test_check_compares_with_the_original(root):
+def test_check_compares_with_the_original(tmp_path):
     from attnx.parity import run_check
 
-    report = run_check(gf.export(root, gf.folder(root, "llama"), "mha"), workdir=root / "parity")
+    report = run_check(gf.export(gf.folder("llama"), "mha"), workdir=tmp_path / "parity")
     assert report.passed, report.mismatches()
     original = [c for c in report.comparisons if c["reference"] == "original"]
     assert original and original[0]["max_abs"] < 1e-4
 
 
-def test_a_file_without_a_cache_does_not_generate(root):
-    from attnx.export.pretrained import export_pretrained
+def test_a_file_without_a_cache_does_not_generate(pretrained_export):
     from attnx.runtime import TextModel
 
-    path = root / "exports" / "llama-full.onnx"
-    if not path.is_file():
-        export_pretrained(gf.folder(root, "llama"), path, variant="mha")
+    path = pretrained_export(gf.folder("llama"), "mha").path
     with pytest.raises(NotAGenerator, match="--with-past"):
         next(iter(TextModel(path).generate("hi")))
 
@@ -198,13 +190,13 @@ def test_a_file_without_a_cache_does_not_generate(root):
 # --------------------------------------------------------------------------- sampling and text
 
 
-def test_sampling_distribution_is_transformers(root):
+def test_sampling_distribution_is_transformers():
     """The distribution a token is drawn from equals transformers' processors' (penalty, temperature, top-k,
     top-p), and draws follow it."""
     from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-    from attnx.runtime.sampling import distribution
+    from attnx.runtime.core.sampling import distribution
 
     g = np.random.default_rng(0)
     logits = (g.standard_normal(50) * 3).astype(np.float32)
@@ -215,7 +207,7 @@ def test_sampling_distribution_is_transformers(root):
                                     + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(p)] if p < 1 else []))
         want = torch.softmax(procs(torch.tensor([seen]), torch.tensor(logits)[None].clone()), -1)[0].numpy()
         np.testing.assert_allclose(distribution(logits, params, seen), want, atol=1e-6)
-    from attnx.runtime.sampling import next_token
+    from attnx.runtime.core.sampling import next_token
 
     params = SamplingParams(temperature=0.7, top_k=10, do_sample=True, seed=5)
 
@@ -241,13 +233,13 @@ def test_greedy_unless_sampling_is_asked_for():
     assert not sampling_params(temperature=0.8).greedy and not sampling_params(top_p=0.9).greedy
 
 
-def test_streamed_text_equals_decoding_at_once(root):
+def test_streamed_text_equals_decoding_at_once():
     """Byte-level BPE splits characters over tokens: the pieces, joined, equal the whole decode; stop strings
     are cut out exactly, even when streamed."""
-    from attnx.runtime.detokenize import TextStream
-    from attnx.runtime.text import TextTokenizer
+    from attnx.runtime.core.detokenize import TextStream
+    from attnx.runtime.core.text import TextTokenizer
 
-    tok = TextTokenizer.from_folder(gf.folder(root, "gpt2"))
+    tok = TextTokenizer.from_folder(gf.folder("gpt2"))
     text = "naïve café — 東京 🙂 the cat sat on the mat"
     ids = tok.tokenize([text], add_special_tokens=False)[0].ids.tolist()
     stream = TextStream(tok)
@@ -262,12 +254,12 @@ def test_streamed_text_equals_decoding_at_once(root):
 # --------------------------------------------------------------------------- step-level batching
 
 
-def test_scheduler_batches_steps_with_the_tokens_each_gets_alone(root):
+def test_scheduler_batches_steps_with_the_tokens_each_gets_alone():
     from attnx.runtime import TextModel
-    from attnx.runtime.generate import stream
-    from attnx.runtime.scheduler import GenerationScheduler
+    from attnx.runtime.core.generate import stream
+    from attnx.runtime.core.scheduler import GenerationScheduler
 
-    model = TextModel(gf.export(root, gf.folder(root, "llama"), "mha"))
+    model = TextModel(gf.export(gf.folder("llama"), "mha"))
     decoder, tok = model.decoder, model.tokenizer
     texts = ["the cat", "a dog ran in the park", "hi", "the quick brown fox jumps", "one", "two three four"]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -294,13 +286,13 @@ def test_scheduler_batches_steps_with_the_tokens_each_gets_alone(root):
     assert scheduler.stats.rows / scheduler.stats.steps > 1.5  # rows share runs (arrivals join mid-way)
 
 
-def test_a_cancelled_request_leaves_at_the_next_step(root):
+def test_a_cancelled_request_leaves_at_the_next_step():
     import time
 
     from attnx.runtime import TextModel
-    from attnx.runtime.scheduler import GenerationScheduler
+    from attnx.runtime.core.scheduler import GenerationScheduler
 
-    model = TextModel(gf.export(root, gf.folder(root, "llama"), "mha"))
+    model = TextModel(gf.export(gf.folder("llama"), "mha"))
     scheduler = GenerationScheduler(model.decoder, model.tokenizer, max_batch=8, name="llama")
     seen = []
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
@@ -324,13 +316,13 @@ def test_a_cancelled_request_leaves_at_the_next_step(root):
     assert len(seen) == 60
 
 
-def test_an_engine_generates_from_its_onnx_metadata(root):
+def test_an_engine_generates_from_its_onnx_metadata():
     """An engine's sidecar has no attnx.* keys: the decoder and the tokenizer come from the ONNX it names
     (a session standing in for the engine, which needs a GPU: the ONNX file's own runs behind it)."""
     from attnx.runtime import TextModel, load
-    from attnx.runtime.session import Session
+    from attnx.runtime.core.session import Session
 
-    path = gf.export(root, gf.folder(root, "llama"), "mha")
+    path = gf.export(gf.folder("llama"), "mha")
     inner = load(path, device="cpu")
 
     class EngineLike(Session):

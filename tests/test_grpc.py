@@ -10,7 +10,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from attnx.runtime import TextModel, load
-from conftest_runtime import EXPORT_KW, assert_outputs_equal, minilm_export, request, running_server, sentence_transformer
+from conftest_runtime import EXPORT_KW, assert_outputs_equal, request, running_server
+from support import exports
 
 TEXTS = ["A man is eating food.", "Someone is riding a horse on the beach at sunset.", "ok"]
 
@@ -18,7 +19,7 @@ TEXTS = ["A man is eating food.", "Someone is riding a horse on the beach at sun
 @pytest.fixture(scope="module")
 def sessions(exported, tmp_path_factory):
     return {"maw": load(exported("maw", **EXPORT_KW).path, device="cpu"),
-            "minilm": load(minilm_export(tmp_path_factory), device="cpu")}
+            "minilm": load(exports.minilm().path, device="cpu")}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_infer_with_typed_contents(stub, sessions):
 
 @pytest.mark.parametrize("typed", [False, True], ids=["raw", "typed"])
 def test_text_over_grpc_equals_sentence_transformers(client, stub, typed):
-    want = sentence_transformer().encode(TEXTS)
+    want = exports.minilm_reference().encode(TEXTS)
     if typed:
         req = service_pb2.ModelInferRequest(model_name="minilm")
         req.inputs.add(name="text", datatype="BYTES", shape=[len(TEXTS)]).contents.bytes_contents.extend(
@@ -166,7 +167,7 @@ def test_bad_input_is_invalid_argument_and_the_server_stays_up(case, client):
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert client.is_server_live()
     result = client.infer("minilm", [_text([TEXTS[0].encode()])])
-    assert np.abs(result.as_numpy("sentence_embedding") - sentence_transformer().encode(TEXTS[:1])).max() < 2e-5
+    assert np.abs(result.as_numpy("sentence_embedding") - exports.minilm_reference().encode(TEXTS[:1])).max() < 2e-5
 
 
 def test_text_to_a_model_without_a_tokenizer_and_unknown_models(client):
@@ -179,17 +180,14 @@ def test_text_to_a_model_without_a_tokenizer_and_unknown_models(client):
 
 
 def test_cli_serve_with_grpc_then_sigterm_stops_cleanly(sessions, tmp_path):
-    import os
     import re
     import signal
-    import subprocess
-    import sys
     import time
 
-    env = {**os.environ, "ATTNX_WORKDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "attnx.cli.main", "serve", f"m={sessions['minilm'].path}", "--port", "0",
-           "--grpc-port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    from support.cli import subprocess_popen
+
+    proc = subprocess_popen("serve", f"m={sessions['minilm'].path}", "--port", "0", "--grpc-port", "0",
+                            env={"ATTNX_WORKDIR": str(tmp_path)})
     try:
         address, lines = None, []
         deadline = time.monotonic() + 120
@@ -205,7 +203,7 @@ def test_cli_serve_with_grpc_then_sigterm_stops_cleanly(sessions, tmp_path):
         assert address, "".join(lines)
         c = grpcclient.InferenceServerClient(address)
         result = c.infer("m", [_text([TEXTS[0].encode()])])
-        assert np.abs(result.as_numpy("sentence_embedding") - sentence_transformer().encode(TEXTS[:1])).max() < 2e-5
+        assert np.abs(result.as_numpy("sentence_embedding") - exports.minilm_reference().encode(TEXTS[:1])).max() < 2e-5
         c.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

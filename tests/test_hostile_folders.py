@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hf_folders  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("transformers")
 
 from attnx import pretrained  # noqa: E402
 from attnx.export.pretrained import export_pretrained  # noqa: E402

@@ -18,8 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_folders import make_folder, move_off_neutral, placed_feeds  # noqa: E402
 
-_CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not _CUDA, reason="needs an NVIDIA GPU (no CUDA device visible to PyTorch)")
+pytestmark = pytest.mark.gpu
 
 VARIANTS = ["mha", "cultural", "metaphor", "maw", "smal"]
 

@@ -5,19 +5,17 @@ limits configured for the test."""
 
 from __future__ import annotations
 
-import os
 import resource
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from attnx.runtime.http_guard import HttpLimits
+from attnx.runtime.wire.http_guard import HttpLimits
 from conftest_runtime import EXPORT_KW, running_server
+from support.cli import subprocess_popen
 
 HEAD = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n"
 
@@ -152,10 +150,8 @@ def _low_fd_limit():
 def test_silent_clients_past_the_descriptor_limit_do_not_lock_out_new_ones(model, tmp_path):
     """300 clients that send half a head and go silent, against a server with ``ulimit -n 256`` and a
     head timeout far longer than the test: a new client is still served."""
-    env = {**os.environ, "ATTNX_WORKDIR": str(tmp_path), "NO_COLOR": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "attnx.cli.main", "serve", f"m={model}", "--port", "0",
-                             "--head-timeout-s", "600", "--threads", "1"], env=env, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_low_fd_limit)
+    proc = subprocess_popen("serve", f"m={model}", "--port", "0", "--head-timeout-s", "600", "--threads", "1",
+                            env={"ATTNX_WORKDIR": str(tmp_path)}, stdout=None, preexec_fn=_low_fd_limit)
     slow: list[socket.socket] = []
     try:
         url = None

@@ -4,9 +4,6 @@ against sentence-transformers itself, ``attnx check`` passing the file and faili
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,30 +14,29 @@ from onnx import numpy_helper
 from attnx import parity
 from attnx.contract import DOMAIN, ModelInfo
 from attnx.export.quantize import quantize_file
-from attnx.parity.text_cases import ExportTokenizer
+from attnx.export.tokenizer import ExportTokenizer
 from attnx.parity.text_report import COSINE
-from attnx.pretrained import minilm_path
 from attnx.pretrained.sentences import SENTENCES
+from support import exports
+from support.cli import run as attnx
 
 FEW = [SENTENCES[0], SENTENCES[2], SENTENCES[9], " ".join(SENTENCES)]  # short, "Hi!", "Ok.", ~216 tokens
 
 
 @pytest.fixture(scope="module")
-def st():
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(minilm_path()), device="cpu")
+def st(st_minilm):
+    return st_minilm
 
 
 @pytest.fixture(scope="module")
-def int8_of(minilm_export):
-    """``int8_of(variant) -> (fp32 path, int8 path)``: the session's fp32 export quantized beside it
-    (same folder: the tokenizer folder and weights named by the metadata are shared)."""
+def int8_of(minilm_export, tmp_path_factory):
+    """``int8_of(variant) -> (fp32 path, int8 path)``: the cached fp32 export, linked into a folder of
+    this module's, quantized beside it (the tokenizer folder and weights named by the metadata are shared)."""
     cache = {}
 
     def get(variant: str = "mha"):
         if variant not in cache:
-            src = minilm_export(variant).path
+            src = exports.linked_copy(minilm_export(variant).path, tmp_path_factory.mktemp(f"int8-{variant}"))
             dst = src.with_name(f"{src.stem}-int8.onnx")
             quantize_file(src, dst)
             cache[variant] = (src, dst)
@@ -162,9 +158,7 @@ def test_custom_op_variant_keeps_its_op_in_float_and_matches_its_fp32_export(int
 
 
 def test_cli_refuses_int8_with_fp16_in_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", "--int8", "--fp16",
-                          "-o", str(tmp_path / "m.onnx")], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = attnx("export", "--variant", "mha", "--int8", "--fp16", "-o", str(tmp_path / "m.onnx"))
     assert out.returncode != 0
     lines = [ln for ln in (out.stdout + out.stderr).strip().splitlines() if ln.strip()]
     assert lines == ["error: --int8 and --fp16 cannot be combined: int8 quantizes the fp32 export (choose one)"], lines
@@ -279,7 +273,7 @@ def test_8bit_weights_use_the_full_range_and_say_so(int8_8bit):
         quantize_file(int8_8bit, int8_8bit.with_name("x.onnx"), weight_bits=6)
 
 
-@pytest.mark.skipif(__import__("attnx.runtime.cpu", fromlist=["x"]).saturates_8bit_weights(),
+@pytest.mark.skipif(__import__("attnx.runtime.core.cpu", fromlist=["x"]).saturates_8bit_weights(),
                     reason="this CPU's integer GEMM (AVX2 without VNNI) saturates 8-bit weights: that is why 7 is "
                     "the default")
 def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of, int8_8bit, st):
@@ -293,8 +287,8 @@ def test_8bit_weights_are_more_accurate_on_a_cpu_that_does_not_saturate(int8_of,
 
 
 def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, int8_8bit, monkeypatch):
-    from attnx.runtime import cpu
-    from attnx.runtime.backends.onnxrt import OnnxRuntimeSession
+    from attnx.runtime.core import cpu
+    from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession
 
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
     with pytest.warns(RuntimeWarning, match="8-bit int8 weights.*re-export with --int8-weight-bits 7"):
@@ -309,7 +303,7 @@ def test_loading_8bit_weights_on_a_saturating_cpu_warns_once_at_load(int8_of, in
 
 
 def test_cpu_integer_dot_product_names_and_which_cpus_saturate():
-    from attnx.runtime.cpu import int8_dot_product, saturates_8bit_weights
+    from attnx.runtime.core.cpu import int8_dot_product, saturates_8bit_weights
 
     cases = [  # (flags, x86) -> (name starts with, saturates)
         ({"avx2", "avx512bw", "avx512_vnni", "amx_int8"}, True, "AMX", False),
@@ -330,35 +324,29 @@ def test_cpu_integer_dot_product_names_and_which_cpus_saturate():
     (["--int8-weight-bits", "8"], "error: --int8-weight-bits needs --int8"),
 ])
 def test_cli_refuses_bad_int8_weight_bits_in_one_line(tmp_path, args, message):
-    out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", *args,
-                          "-o", str(tmp_path / "m.onnx")], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = attnx("export", "--variant", "mha", *args, "-o", str(tmp_path / "m.onnx"))
     assert out.returncode != 0
     assert [ln for ln in (out.stdout + out.stderr).strip().splitlines() if ln.strip()] == [message]
     assert not list(tmp_path.iterdir())
 
 
 def test_cli_notes_when_8bit_weights_are_exported_on_a_cpu_that_would_clip_them(tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
-    from attnx.cli.main import app
-    from attnx.runtime import cpu
+    from attnx.runtime.core import cpu
 
     args = ["export", "--variant", "mha", "--layers", "1", "--int8", "--int8-weight-bits", "8"]
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: True)
-    clipping = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "a.onnx")], env={"COLUMNS": "200"})
-    assert clipping.exit_code == 0, clipping.output
+    clipping = attnx(*args, "-o", tmp_path / "a.onnx")
+    assert clipping.returncode == 0, clipping.output
     assert "serve this file on a CPU with VNNI, AMX or ARM dot products" in clipping.output
     assert ModelInfo.read(tmp_path / "a.onnx").quantization["weight_bits"] == 8  # written all the same
     monkeypatch.setattr(cpu, "saturates_8bit_weights", lambda: False)
-    fine = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "b.onnx")], env={"COLUMNS": "200"})
-    assert fine.exit_code == 0 and "serve this file" not in fine.output
+    fine = attnx(*args, "-o", tmp_path / "b.onnx")
+    assert fine.returncode == 0 and "serve this file" not in fine.output
 
 
 def test_cli_int8_weight_bits_reach_the_file(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "attnx.cli.main", "export", "--variant", "mha", "--layers", "1",
-                          "--int8", "--int8-weight-bits", "8", "-o", str(tmp_path / "m.onnx")],
-                         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = attnx("export", "--variant", "mha", "--layers", "1", "--int8", "--int8-weight-bits", "8", "-o",
+                str(tmp_path / "m.onnx"))
     assert out.returncode == 0, out.stderr
     info = ModelInfo.read(tmp_path / "m.onnx")
     assert info.precision == "int8" and info.quantization["weight_bits"] == 8

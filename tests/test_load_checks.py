@@ -6,10 +6,7 @@ vocabulary). Each is refused with one line before anything is served."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import onnx
@@ -18,35 +15,24 @@ import pytest
 from attnx.contract import ContractError, ModelInfo, sidecar_path
 from attnx.runtime import TextModel, load
 from attnx.runtime.server import InferenceServer
-from conftest_runtime import minilm_export
+from support import exports
+from support.cli import one_line_error
+from support.cli import run as attnx
 
 
-def serve_cli(*args, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "ATTNX_WORKDIR": str(cwd), "COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", "serve", *map(str, args), "--port", "0"],
-                          capture_output=True, text=True, timeout=180, env=env, cwd=cwd)
-
-
-def one_line_error(proc, *words: str) -> str:
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
-    for w in words:
-        assert w in errors[0], errors[0]
-    return errors[0]
+def serve_cli(*args, cwd: Path):
+    """`attnx serve ... --port 0` in process: each case here is refused while loading, before serving."""
+    return attnx("serve", *args, "--port", "0", cwd=cwd)
 
 
 # ----------------------------------------------------------------------------- engines (item 3)
 
 
 @pytest.fixture(scope="module")
-def engines(exported, tmp_path_factory):
+def engines(exported, rtx, tmp_path_factory):
     """Two small engines built here with TensorRT-RTX (they cannot run without a GPU, but verify)."""
     from attnx import engine as eng
 
-    if not eng.is_available():
-        pytest.skip("no TensorRT (full or RTX) installed")
     folder = tmp_path_factory.mktemp("engines")
     a = eng.build(exported("mha", n_layers=1).path, folder / "a.engine", target="sm89").engine_path
     b = eng.build(exported("cultural", n_layers=1).path, folder / "b.engine", target="sm89").engine_path
@@ -85,7 +71,7 @@ def test_an_engine_built_from_another_onnx_is_refused_when_the_onnx_is_named(eng
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return exports.minilm().path
 
 
 def tampered(src: Path, folder: Path, change) -> Path:

@@ -1,4 +1,4 @@
-"""Head analysis (attnx.interp.analysis): planted heads, entropy, masking, a loop reference."""
+"""Head analysis (attnx.explain.analysis): planted heads, entropy, masking, a loop reference."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from attnx.models import VARIANTS, build_encoder
-from attnx.interp.analysis import (  # noqa: E402
-    MIXED, PATTERNS, Standout, analyze_cache, analyze_heads, analyze_patterns, pattern_stats, primary_pattern,
+from attnx.explain.analysis import (  # noqa: E402
+    MIXED, PATTERNS, Standout, analyze_cache, analyze_patterns, pattern_stats, primary_pattern,
 )
-from attnx.interp.hooks import run_with_cache
+from attnx.interp.analysis import analyze_heads  # noqa: E402
+from attnx.models.hooks import run_with_cache
 
 D, H, L = 32, 4, 8
 
@@ -327,7 +328,7 @@ def test_a_transformers_gpt2_host_and_prefixed_cache_keys():
     # caching gives the one naming scheme (blocks.{i}...); a cache with prefixed keys is understood as well.
     import transformers
 
-    from attnx.interp.analysis import pattern_keys
+    from attnx.explain.analysis import pattern_keys
     from attnx.pretrained import place
     from attnx.pretrained.host import Host
 

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, make_context, specs_of  # noqa: E402
 
 from attnx.models import VARIANTS, build_encoder, build_variant, encoder_from_config, make_config  # noqa: E402
-from attnx.interp.hooks import run_with_hooks  # noqa: E402
+from attnx.models.hooks import run_with_hooks  # noqa: E402
 
 B, L = 2, 5
 OPTIONS = {

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_models_support import D_MODEL, SMALL, gen, make_context, on_path, right_pad_mask, specs_of  # noqa: E402
 
 from attnx.models import build_encoder, build_variant  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 
 GATE_GAP = 1.0 - 1.0 / (1.0 + math.exp(-4.0))  # 1 - sigmoid(4) = 0.01799
 SHARED = ("W_Q.", "W_K.", "W_V.", "W_O.")

@@ -20,7 +20,7 @@ from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, right_pa
 from attnx.models import build_encoder, build_variant  # noqa: E402
 from attnx.models import maw as maw_module  # noqa: E402
 from attnx.models import smal as smal_module  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 from attnx.models.maw import attention_rewards, maw_logits_5d  # noqa: E402
 
 DEPTH = 4

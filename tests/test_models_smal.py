@@ -15,7 +15,7 @@ from test_models_support import D_MODEL, HEAD_DIM, N_HEADS, SMALL, gen, left_pad
 from attnx.models import attention_path, build_encoder, build_variant, reference  # noqa: E402
 from attnx.models import smal as smal_module  # noqa: E402
 from attnx.models.smal import tta_distance, tta_distance_expanded  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 
 
 def naive_distance(q, k, trace):

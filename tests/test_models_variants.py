@@ -30,7 +30,7 @@ from test_models_support import (  # noqa: E402
 )
 
 from attnx.models import attention_path, build_encoder, build_variant, get_spec  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 
 ATOL = 2e-5
 

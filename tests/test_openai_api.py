@@ -18,11 +18,11 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.embeddings import Dimensions
-from attnx.runtime.metrics import histogram_counts
-from attnx.runtime.protocol import Limits
-from conftest_runtime import EXPORT_KW, GatedSession, cosine_rows, long_text, minilm_export, running_server, \
-    sentence_transformer
+from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.wire.metrics import histogram_counts
+from attnx.runtime.wire.limits import Limits
+from conftest_runtime import EXPORT_KW, GatedSession, cosine_rows, long_text, running_server
+from support import exports
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi",
          "The quick brown fox jumps over the lazy dog, again and again, until the dog finally wakes up."]
@@ -32,7 +32,7 @@ LIMITS = Limits(max_texts=64, max_request_tokens=2000)
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    return load(minilm_export(tmp_path_factory), device="cpu")
+    return load(exports.minilm().path, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 def vectors(response) -> np.ndarray:
@@ -166,15 +166,15 @@ def test_a_long_text_is_truncated_as_sentence_transformers_does_and_counted_afte
 # --- models --------------------------------------------------------------------------------------------
 
 
-def test_models_lists_the_embedding_models_only(client):
+def test_models_lists_every_served_model(client):
+    """Issue 32: one registry; /v1/models lists every served model (maw serves KServe only, but is served)."""
     listed = client.models.list()
-    assert sorted(m.id for m in listed.data) == ["minilm", "minilm-fixed"]
+    assert sorted(m.id for m in listed.data) == ["maw", "minilm", "minilm-fixed"]
     assert all(m.object == "model" and m.owned_by == "attnx" and m.created > 0 for m in listed.data)
-    assert client.models.retrieve("minilm").id == "minilm"
-    for name in ("nope", "maw"):
-        with pytest.raises(openai.NotFoundError) as info:
-            client.models.retrieve(name)
-        assert info.value.code == "model_not_found"
+    assert client.models.retrieve("minilm").id == "minilm" and client.models.retrieve("maw").id == "maw"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("nope")
+    assert info.value.code == "model_not_found"
 
 
 # --- errors: OpenAI's shape, the right status, and the server stays correct --------------------------------
@@ -280,7 +280,7 @@ def test_openai_and_kserve_requests_share_batches_and_metrics(server, st):
     batches, singles = after["+Inf"] - before.get("+Inf", 0), after["1.0"] - before.get("1.0", 0)
     assert batches < len(texts) and singles < batches  # some batch merged requests of both APIs
     assert re.search(r'attnx_request_success_total\{model="minilm"\} \d+', text)
-    assert 'attnx_request_failures_total{model="minilm",reason="bad_request"}' in text  # the 400s above
+    assert 'attnx_request_failures_total{model="minilm",reason="bad_input"}' in text  # the 400s above
 
 
 def test_a_full_queue_is_429_with_retry_after_and_a_request_bigger_than_the_queue_is_413(session):
@@ -324,7 +324,7 @@ def test_a_placed_variants_context_rows_go_in_the_body_and_give_what_kserve_give
     """cultural placed in MiniLM takes a [batch, 32] context row per text: over KServe beside the text
     tensor, here as the "context" extension; both must give the same embeddings."""
     rows = np.random.default_rng(3).standard_normal((2, 32)).astype(np.float32)
-    with running_server({"cult": minilm_export(tmp_path_factory, "cultural")}) as srv:
+    with running_server({"cult": exports.minilm("cultural").path}) as srv:
         c = httpclient.InferenceServerClient(srv.address, network_timeout=120)
         text = httpclient.InferInput("text", [2], "BYTES")
         text.set_data_from_numpy(np.array([t.encode() for t in TEXTS[:2]], dtype=object))
@@ -350,3 +350,37 @@ def test_a_placed_variants_context_rows_go_in_the_body_and_give_what_kserve_give
         body = '{"model": "cult", "input": "hi", "context": {"cultural": [[NaN' + ', 0' * 31 + ']]}}'
         r = httpx.post(srv.url + "/v1/embeddings", content=body, timeout=60)
         assert r.status_code == 400 and "NaN or infinite" in r.json()["error"]["message"]
+
+
+def test_a_20mb_string_is_answered_at_once_as_its_truncated_start(client, st, server, monkeypatch):
+    """Issue 32: one 20 MB string got no answer in 300 s (RSS 441 MB -> 3.5 GB). Texts are cut at the model's
+    character cap (256 tokens x 64) before tokenising, so the answer is the first 256 tokens' embedding, as
+    sentence-transformers gives it for the text (its start stands in for the whole: the same 256 tokens)."""
+    base = long_text(100_000, seed=9) + " "
+    text = base * (20_000_000 // len(base) + 1)
+    assert len(text) >= 20_000_000
+    from conftest_runtime import spy_on
+
+    seen = spy_on(server.models["minilm"].tokenizer, monkeypatch)
+    response = client.embeddings.create(input=text, model="minilm", encoding_format="float")
+    assert max(seen) <= 256 * 64  # the tokenizer never read past the model's character cap
+    assert response.usage.prompt_tokens == 256
+    assert_matches(vectors(response), st.encode([text[:200_000]]))
+    with pytest.raises(openai.APIStatusError) as info:  # truncation off: refused, not read to the end
+        client.embeddings.create(input=text, model="minilm", extra_body={"truncate": False})
+    assert info.value.status_code in (400, 413) and "\n" not in info.value.message
+    assert httpx.get(server.url + "/v2/health/live", timeout=10).status_code == 200
+
+
+def test_more_texts_than_the_queue_holds_is_413_on_every_api(session):
+    """Issue 32: 9 texts to an idle KServe text route with --max-queue 8 got a retryable 503 that never succeeds
+    (the OpenAI and TEI routes answered 413 for the same case)."""
+    with running_server({"m": session}, batching=BatcherConfig(max_queue_size=8)) as srv:
+        texts = [f"text {i}" for i in range(9)]
+        body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [9], "data": texts}]}
+        r = httpx.post(srv.url + "/v2/models/m/infer", json=body, timeout=60)
+        assert r.status_code == 413 and "queues at most 8" in r.json()["error"] and "retry-after" not in r.headers
+        assert httpx.post(srv.url + "/v1/embeddings", json={"input": texts, "model": "m"}, timeout=60).status_code == 413
+        assert httpx.post(srv.url + "/embed", json={"inputs": texts}, timeout=60).status_code == 413
+        body["inputs"][0].update(shape=[8], data=texts[:8])
+        assert httpx.post(srv.url + "/v2/models/m/infer", json=body, timeout=60).status_code == 200

@@ -34,6 +34,6 @@ def test_a_wheel_builds_without_deprecation_warnings_and_ships_the_plugin_source
             if p.suffix in (".cu", ".cuh", ".cpp", ".h", ".cmake") and "build" not in p.parts
             and p.relative_to(ROOT).as_posix() in files}
     assert want and want | {"attnx/plugins/CMakeLists.txt"} <= shipped
-    assert "attnx/runtime/http_guard.py" in names and "attnx/contract.py" in names
+    assert "attnx/runtime/wire/http_guard.py" in names and "attnx/contract.py" in names
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     assert "License-Expression: Apache-2.0" in zipfile.ZipFile(wheel).read(meta).decode()

@@ -126,9 +126,10 @@ def test_report_json(exported, tmp_path):
     assert data["mismatches"] == [] and data["ties"] == []
 
 
+@pytest.mark.rtx
 def test_engine_is_verified_and_reported_where_it_cannot_run(exported, tmp_path):
-    if not eng.is_available() or eng.gpu_compute_capability() is not None:
-        pytest.skip("needs TensorRT and no GPU (the 'cannot run here' path)")
+    if eng.gpu_compute_capability() is not None:
+        pytest.skip("a GPU is present: this checks the 'cannot run here' path")
     res = exported(TIE_VARIANT)
     path = _copy_export(res, tmp_path / "m")
     built = eng.build(path, shapes={"batch": (1, 2, 3), "seq": (1, 8, 20)})
@@ -296,10 +297,9 @@ class _OrtAsEngine:
 
 
 @pytest.mark.parametrize("defect", [0.0, 0.01])
+@pytest.mark.rtx
 def test_engine_runner_joins_the_comparison_where_it_can_run(exported, tmp_path, monkeypatch, defect):
     """The wiring for a machine with the right GPU: the engine is a fourth Polygraphy runner."""
-    if not eng.is_available():
-        pytest.skip("needs TensorRT to build the engine")
     res = exported(TIE_VARIANT)
     path = _copy_export(res, tmp_path / "m")
     built = eng.build(path)

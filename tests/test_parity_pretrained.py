@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,13 +14,16 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a guard only: installed with attnx[dev]
+import transformers  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from attnx import parity, pretrained  # noqa: E402
 from attnx.contract import ModelInfo  # noqa: E402
-from attnx.parity.text_cases import ExportTokenizer, default_texts  # noqa: E402
+from attnx.export.tokenizer import ExportTokenizer  # noqa: E402
+from attnx.parity.text_cases import default_texts  # noqa: E402
 from attnx.pretrained.sentences import SENTENCES  # noqa: E402
+from support.cli import one_line_error  # noqa: E402
+from support.cli import run as attnx  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 MINILM = pretrained.minilm_path()
@@ -30,10 +31,8 @@ FEW = [SENTENCES[0], SENTENCES[1], SENTENCES[2], " ".join(SENTENCES)]  # short, 
 
 
 @pytest.fixture(scope="module")
-def st():
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(MINILM), device="cpu")
+def st(st_minilm):
+    return st_minilm
 
 
 def _comparison(report, runner, reference, output):
@@ -188,17 +187,8 @@ def test_a_trained_placed_variant_is_compared_with_the_reference_not_the_origina
 # ----------------------------------------------------------------------------- the CLI on a small BERT
 
 
-def attnx(*args, cwd: Path):
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}, timeout=600)
-
-
-def one_line(proc, *phrases):
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode not in (0, None) and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    return lines[0]
+def one_line(result, *phrases):
+    return one_line_error(result, *phrases, alone=True)
 
 
 def _bert_folder(folder: Path, vocab: int = 30522, positions: int = 64, pooling: dict | None = None) -> Path:

@@ -20,18 +20,9 @@ import math
 import pytest
 
 from attnx.plugins import kernels
+from support import probes
 
-try:
-    import torch
-
-    _CUDA = torch.cuda.is_available()
-    _WHY = "no CUDA device visible to PyTorch" if not _CUDA else ""
-except ImportError:  # pragma: no cover - torch is a dependency
-    torch = None
-    _CUDA = False
-    _WHY = "PyTorch is not installed"
-
-gpu = pytest.mark.skipif(not _CUDA, reason=f"needs an NVIDIA GPU ({_WHY})")
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +121,6 @@ def _check_maw_select(lib, shape, dtype, scale=0.25):
     assert err <= TOL[dtype], err
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", MAW_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -143,7 +133,6 @@ def _tie_policy(dt):
                          [1.0, float("nan"), 9.0, float("nan")]], device="cuda", dtype=dt)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_maw_ties_pick_the_first_depth_and_nan_wins(lib, dtype):
@@ -157,7 +146,6 @@ def test_maw_ties_pick_the_first_depth_and_nan_wins(lib, dtype):
     assert _rel_err(logits, ref) <= 1e-3
 
 
-@gpu
 @pytest.mark.gpu
 def test_maw_depth_is_written_when_logits_are_empty(lib):
     q = torch.empty((2, 3, 0, 4), device="cuda")
@@ -168,7 +156,6 @@ def test_maw_depth_is_written_when_logits_are_empty(lib):
     assert logits.numel() == 0 and depth.tolist() == [2, 0]
 
 
-@gpu
 @pytest.mark.gpu
 def test_maw_runs_on_the_given_stream(lib):
     stream = torch.cuda.Stream()
@@ -200,7 +187,6 @@ def _check_maw_gather(lib, shape, dtype):
     assert torch.equal(q_sel.double(), qs) and torch.equal(k_sel.double(), ks)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", MAW_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -208,7 +194,6 @@ def test_maw_depth_gather_matches_reference(lib, shape, dtype):
     _check_maw_gather(lib, shape, dtype)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gather_ties_nan_and_its_product_is_the_select_logits(lib, dtype):
@@ -223,7 +208,6 @@ def test_gather_ties_nan_and_its_product_is_the_select_logits(lib, dtype):
     assert _rel_err(logits, q_sel.double() @ k_sel.double().transpose(-1, -2)) <= TOL[dtype]
 
 
-@gpu
 @pytest.mark.gpu
 def test_gather_depth_is_written_when_outputs_are_empty(lib):
     policy = torch.tensor([[0.0, 1.0, 9.0], [7.0, 1.0, 0.0], [0.0, 0.0, 1.0]], device="cuda")
@@ -234,7 +218,6 @@ def test_gather_depth_is_written_when_outputs_are_empty(lib):
     assert q_sel.numel() == 0 and k_sel.numel() == 0 and depth.tolist() == [2, 0, 2]
 
 
-@gpu
 @pytest.mark.gpu
 def test_gather_many_examples(lib):
     """More examples than one grid row: the kernel strides over the batch."""
@@ -276,7 +259,6 @@ def _check_tta(lib, shape, dtype, trace_scale=None):
     assert err <= TTA_TOL[dtype], err
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", TTA_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -284,7 +266,6 @@ def test_tta_distance_matches_reference(lib, shape, dtype):
     _check_tta(lib, shape, dtype)
 
 
-@gpu
 @pytest.mark.gpu
 def test_tta_accepts_unbatched_and_per_example_traces(lib):
     q, k = _rand((2, 3, 11, 12), torch.float32), _rand((2, 3, 13, 12), torch.float32)
@@ -295,7 +276,6 @@ def test_tta_accepts_unbatched_and_per_example_traces(lib):
         assert _rel_err(dist, tta_reference(q, k, as4d)) <= 1e-5
 
 
-@gpu
 @pytest.mark.gpu
 def test_tta_non_symmetric_trace_and_stream(lib):
     """T need not be symmetric (S = T + T^T); launches follow the caller's stream."""
@@ -309,7 +289,6 @@ def test_tta_non_symmetric_trace_and_stream(lib):
     assert _rel_err(dist, tta_reference(q, k, trace)) <= 1e-5
 
 
-@gpu
 @pytest.mark.gpu
 def test_tta_fp32_is_not_tf32_accurate_only(lib):
     """3xTF32: fp32 results within ~1e-6 of float64, far below plain TF32's ~1e-3."""
@@ -320,7 +299,6 @@ def test_tta_fp32_is_not_tf32_accurate_only(lib):
     assert _rel_err(dist, tta_reference(q, k, trace)) <= 2e-6
 
 
-@gpu
 @pytest.mark.gpu
 def test_tta_rejects_a_short_workspace(lib):
     q = _rand((1, 1, 8, 8), torch.float32)
@@ -332,7 +310,6 @@ def test_tta_rejects_a_short_workspace(lib):
     assert status == 1  # cudaErrorInvalidValue, nothing launched
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("offset", ["k", "trace", "q"])
 def test_tta_fp16_unaligned_inputs_take_the_general_kernels(lib, offset):
@@ -354,7 +331,6 @@ def test_tta_fp16_unaligned_inputs_take_the_general_kernels(lib, offset):
 # ---------------------------------------------------------------------------------------- layouts
 
 
-@gpu
 @pytest.mark.gpu
 def test_non_contiguous_inputs_are_refused_by_name_and_their_dense_copies_work(lib):
     """The plugins get dense linear tensors from TensorRT; the bindings refuse a strided view with a
@@ -380,7 +356,6 @@ def test_non_contiguous_inputs_are_refused_by_name_and_their_dense_copies_work(l
     assert _rel_err(dist, tta_reference(qv, kv, trace)) <= 1e-5
 
 
-@gpu
 @pytest.mark.gpu
 def test_unaligned_outputs_take_the_scalar_path(lib):
     """An output that starts off a 16-byte boundary (a slice of a larger buffer) is still right."""
@@ -406,7 +381,6 @@ SANITIZER_CASES = [  # (op, shape) small shapes that reach every branch: tails, 
 ]
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", SANITIZER_CASES, ids=lambda c: c[0] + "-" + "x".join(map(str, c[1])))
@@ -454,7 +428,7 @@ def test_c_abi_validates_arguments_without_touching_the_gpu(lib):
     assert lib.tta_distance(0, 0, 0, 0, 0, 1, 1, 1, 1, 4, 4, 4, 0, 0, None) == invalid  # no workspace
 
 
-@pytest.mark.skipif(_CUDA, reason="checks the behaviour without a GPU")
+@pytest.mark.skipif(probes.gpu() is None, reason="a GPU is present: this checks the behaviour without one")
 def test_launch_without_a_driver_returns_an_error(lib):
     """No GPU/driver: a launch reports a CUDA error code instead of crashing."""
     assert lib.maw_depth_select(0, 0, 0, 0, 0, 0, 1, 1, 4, 4, 2, 1.0, None) != 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a guard only: installed with attnx[dev]
+import transformers  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from attnx import pretrained  # noqa: E402
@@ -30,10 +30,8 @@ MINILM = pretrained.minilm_path()
 
 
 @pytest.fixture(scope="module")
-def st_model():
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(MINILM), device="cpu")
+def st_model(st_minilm):
+    return st_minilm
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +132,6 @@ def test_variant_checkpoint_is_strict(tmp_path, batch):
 
 # ----------------------------------------------------------------------------- export from token ids
 
-@pytest.fixture(scope="module")
-def minilm_exports(minilm_export):
-    return minilm_export  # the session's shared exports (tests/conftest.py)
-
-
 def ort_run(path, feeds):
     import onnxruntime as ort
 
@@ -151,8 +144,8 @@ def ort_run(path, feeds):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_export_matches_transformers_and_the_reference(variant, minilm_exports, batch, hf_bert, tmp_path):
-    result = minilm_exports(variant)
+def test_export_matches_transformers_and_the_reference(variant, minilm_export, batch, hf_bert, tmp_path):
+    result = minilm_export(variant)
     info = ModelInfo.read(result.path)
     assert info.input_names[:3] == ["input_ids", "attention_mask", "token_type_ids"]
     assert info.input("input_ids").range == (0, 30522)
@@ -186,16 +179,16 @@ def test_export_matches_transformers_and_the_reference(variant, minilm_exports, 
         assert err.max() <= 1e-4, name
 
 
-def test_fp16_export_keeps_sentence_embeddings(minilm_exports, batch, st_model):
-    result = minilm_exports("mha", fp16=True)
+def test_fp16_export_keeps_sentence_embeddings(minilm_export, batch, st_model):
+    result = minilm_export("mha", fp16=True)
     got = ort_run(result.path, batch)["sentence_embedding"].astype(np.float64)
     want = st_model.encode(list(SENTENCES), convert_to_numpy=True).astype(np.float64)
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= 0.999, cos
 
 
-def test_rewrite_lowering_of_a_placed_variant(minilm_exports, batch, hf_bert):
-    result = minilm_exports("smal", lowering="rewrite")
+def test_rewrite_lowering_of_a_placed_variant(minilm_export, batch, hf_bert):
+    result = minilm_export("smal", lowering="rewrite")
     got = ort_run(result.path, with_context(result.model, batch))
     with torch.no_grad():
         want = hf_bert(**batch).last_hidden_state.numpy()

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from attnx.runtime.protocol import Limits
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import long_text, running_server
 from scoring_fixtures import cross_encoder, export, neutral_context, reference, sigmoid
 
@@ -26,9 +26,9 @@ KEY = "sk-attnx-rerank-test"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {"ce": export(tmp_path_factory, "bert-cross-encoder"),
-            "ce-cultural": export(tmp_path_factory, "bert-cross-encoder", "cultural"),
-            "sentiment": export(tmp_path_factory, "bert-classifier")}
+    return {"ce": export("bert-cross-encoder"),
+            "ce-cultural": export("bert-cross-encoder", "cultural"),
+            "sentiment": export("bert-classifier")}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,12 @@ def http(models):
 
 @pytest.fixture(scope="module")
 def ce(tmp_path_factory):
-    return cross_encoder(tmp_path_factory, "bert-cross-encoder")
+    return cross_encoder("bert-cross-encoder")
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    return reference(tmp_path_factory, "bert-cross-encoder")
+    return reference("bert-cross-encoder")
 
 
 def body_for(model: str, models, docs=DOCS, **extra) -> dict:
@@ -118,9 +118,9 @@ def test_long_pairs_are_cut_longest_first_as_cross_encoder_cuts_them(http, model
 def test_a_decoder_reranker_equals_cross_encoder(tmp_path_factory):
     """Qwen2ForSequenceClassification scores the last token: pairs of very different lengths share a padded
     batch and must each be read at their own last token (cultural placed)."""
-    ce = cross_encoder(tmp_path_factory, "qwen2-classifier")
+    ce = cross_encoder("qwen2-classifier")
     docs = [DOCS[0], "hi", long_text(80, seed=4), DOCS[4]]
-    path = export(tmp_path_factory, "qwen2-classifier", "cultural")
+    path = export("qwen2-classifier", "cultural")
     body = {"query": QUERY, "texts": docs, "context": neutral_context(path, len(docs))}
     with running_server({"qwen": path}) as server:
         got = httpx.post(server.url + "/rerank", json=body, timeout=120).json()
@@ -200,7 +200,7 @@ def test_rerank_counts_in_the_servers_metrics(http):
     http.post("/v1/rerank", json={"model": "ce", "query": "", "documents": DOCS})
     text = http.get("/metrics").text
     assert re.search(r'attnx_request_success_total\{model="ce"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="ce",reason="bad_request"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="ce",reason="bad_input"\} [1-9]', text)
 
 
 def test_the_api_key_guards_rerank_and_classify(models):
@@ -270,10 +270,11 @@ def test_kserve_text_pairs_over_http_and_grpc_equal_transformers(models, hf):
 
 
 def test_a_model_that_scores_no_pairs_refuses_text_pair():
-    from attnx.runtime import protocol as proto
+    from attnx.runtime.apis import kserve_tensors as proto
+    from attnx.runtime.wire.errors import ProtocolError
 
     sig = proto.ModelSignature("emb", [], [], 8, None, proto.TextInput("text", 32, "right", pairs=False))
     tensors = [proto.WireTensor("text", "BYTES", [1], {}, data=["a"]),
                proto.WireTensor("text_pair", "BYTES", [1], {}, data=["b"])]
-    with pytest.raises(proto.BadRequest, match="does not score text pairs"):
-        proto.build_infer_request(None, {}, tensors, None, sig, proto.Limits())
+    with pytest.raises(ProtocolError, match="does not score text pairs"):
+        proto.build_infer_request(None, {}, tensors, None, sig, Limits())

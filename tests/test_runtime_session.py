@@ -12,8 +12,8 @@ import torch
 
 from attnx.contract import TensorEntry
 from attnx.runtime import InputError, load
-from attnx.runtime.backends.onnxrt import OnnxRuntimeSession, OrtOptions, ort_providers
-from attnx.runtime.session import TensorSpec, merge_specs
+from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession, OrtOptions, ort_providers
+from attnx.runtime.core.session import TensorSpec, merge_specs
 from conftest_runtime import EXPORT_KW, assert_outputs_equal, request
 
 

@@ -6,8 +6,6 @@ transformers < 4.58 and cannot be installed beside attnx's transformers 5, so it
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 
 import httpx
@@ -17,13 +15,14 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.axes import AxisError, AxisFlags
-from attnx.runtime.batcher import BatchLayout
-from attnx.runtime.metrics import histogram_counts
+from attnx.runtime.core.axes import AxisError, AxisFlags
+from attnx.runtime.core.layout import BatchLayout
+from attnx.runtime.wire.metrics import histogram_counts
 from conftest_runtime import assert_outputs_equal, running_server, triton_infer
 
-transformers = pytest.importorskip("transformers")  # a guard only: installed with attnx[dev]
-torch = pytest.importorskip("torch")
+import transformers
+import torch  # noqa: E402
+from support.cli import run as attnx  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a man woman dog cat eats runs sees big small red".split()
 NAMES = ["input_ids", "attention_mask", "token_type_ids"]
@@ -94,8 +93,7 @@ def test_axes_come_from_common_names_and_describe_says_so(bert, tmp_path):
     assert session.input("input_ids").range == (0, len(VOCAB))  # from the embedding table it indexes
     layout = BatchLayout.of(session)
     assert layout.can_batch and layout.can_pad
-    run = subprocess.run([sys.executable, "-m", "attnx.cli.main", "serve", str(path), "--describe"],
-                         capture_output=True, text=True, timeout=180, env={**os.environ, "ATTNX_WORKDIR": str(tmp_path)})
+    run = attnx("serve", str(path), "--describe", env={"ATTNX_WORKDIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr
     out = run.stdout
     assert "in  input_ids [batch_size, sequence_length]: batch=0 (dim name 'batch_size'), seq=1 (dim name " \

@@ -6,8 +6,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,8 +17,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.metrics import histogram_counts
+from attnx.runtime.wire.metrics import histogram_counts
 from conftest_runtime import EXPORT_KW, GatedSession, assert_outputs_equal, request, running_server, triton_infer
+from support.cli import run as attnx
+from support.cli import subprocess_popen
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +153,8 @@ def test_metrics_histograms_and_counters(server, client, sessions):
                  "attnx_batch_size"):
         assert histogram_counts(text, name, "smal")["+Inf"] >= 1, name
     assert re.search(r'attnx_request_success_total\{model="smal"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="_unknown_",reason="unknown_model"\} [1-9]', text)
-    assert re.search(r'attnx_request_failures_total\{model="smal",reason="bad_request"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="_unknown_",reason="not_found"\} [1-9]', text)
+    assert re.search(r'attnx_request_failures_total\{model="smal",reason="bad_input"\} [1-9]', text)
     assert 'attnx_queue_depth{model="maw"}' in text
 
 
@@ -224,7 +224,7 @@ def test_over_limit_queue_gives_503_and_everything_else_succeeds(sessions):
             assert "queue full" in payload["error"]
         else:
             np.testing.assert_allclose(payload["output"], session.run(feeds[i])["output"], atol=1e-5, rtol=0)
-    assert re.search(r'attnx_request_failures_total\{model="maw",reason="overload"\} 11', text)
+    assert re.search(r'attnx_request_failures_total\{model="maw",reason="overloaded"\} 11', text)
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(sessions):
@@ -265,10 +265,8 @@ def test_graceful_shutdown_finishes_in_flight_requests(sessions):
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_serve_then_signal_stops_cleanly(paths, sessions, tmp_path, stop_signal):
-    env = {**os.environ, "ATTNX_WORKDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "attnx.cli.main", "serve", f"m1={paths['maw']}", str(paths["smal"]),
-           "--port", "0", "--max-batch", "8", "--max-delay-ms", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess_popen("serve", f"m1={paths['maw']}", paths["smal"], "--port", "0", "--max-batch", "8",
+                            "--max-delay-ms", "1", env={"ATTNX_WORKDIR": str(tmp_path)})
     try:
         url = None
         lines = []
@@ -300,15 +298,12 @@ def test_cli_serve_then_signal_stops_cleanly(paths, sessions, tmp_path, stop_sig
 
 def test_cli_bench_in_process_and_against_a_server(paths, server, tmp_path):
     report = tmp_path / "bench.json"
-    base = [sys.executable, "-m", "attnx.cli.main", "bench"]
-    local = subprocess.run(base + [str(paths["maw"]), "--concurrency", "4", "--duration", "1", "--seq", "4,8",
-                                   "--report", str(report)], capture_output=True, text=True, timeout=180)
+    local = attnx("bench", paths["maw"], "--concurrency", "4", "--duration", "1", "--seq", "4,8", "--report", report)
     assert local.returncode == 0, local.stderr
     numbers = json.loads(report.read_text())
     assert numbers["ok"] > 0 and numbers["errors"] == {} and numbers["p99_ms"] >= numbers["p50_ms"] > 0
-    remote = subprocess.run(base + ["smal", "--url", server.url, "--concurrency", "3", "--duration", "1",
-                                    "--seq", "5", "--report", str(report)], capture_output=True, text=True,
-                            timeout=180)
+    remote = attnx("bench", "smal", "--url", server.url, "--concurrency", "3", "--duration", "1", "--seq", "5",
+                   "--report", report)
     assert remote.returncode == 0, remote.stderr
     numbers = json.loads(report.read_text())
     assert numbers["ok"] > 0 and numbers["errors"] == {}
@@ -391,8 +386,7 @@ def test_fp16_model_over_json_and_binary(exported):
 ], ids=["body-negative", "body-zero", "seq-negative", "seq-zero", "port-high", "port-negative", "grpc-port-high"])
 def test_serve_refuses_limits_that_would_fail_every_request(paths, flags, message):
     """Before: --max-body-mb -1 served and answered every request 413, --max-seq -5 every one 400."""
-    cmd = [sys.executable, "-m", "attnx.cli.main", "serve", str(paths["maw"]), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = attnx("serve", paths["maw"], *flags)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -400,7 +394,7 @@ def test_serve_refuses_limits_that_would_fail_every_request(paths, flags, messag
 
 
 def test_limits_that_refuse_every_request_are_a_value_error():
-    from attnx.runtime.protocol import Limits
+    from attnx.runtime.wire.limits import Limits
 
     for field in ("max_body_bytes", "max_seq", "max_tensor_elements", "max_texts", "max_decode_bytes"):
         with pytest.raises(ValueError, match=f"{field} must be a positive integer"):

@@ -16,10 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-import attnx.runtime.http_codec as codec
+import attnx.runtime.apis.kserve_json as codec
 from attnx.runtime import load
-from attnx.runtime.batcher import BatcherConfig
-from attnx.runtime.protocol import BadRequest, Limits
+from attnx.runtime.core.batcher import BatcherConfig
+from attnx.runtime.wire.errors import ProtocolError
+from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, GatedSession, request, running_server
 
 
@@ -138,7 +139,7 @@ def test_overload_is_refused_before_the_body_is_read(session):
         while srv.models["maw"].batcher.queue_depth < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         try:
-            with socket.create_connection((srv.config.host, srv.port), timeout=10) as sock:
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
                 sock.sendall(b"POST /v2/models/maw/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Content-Length: %d\r\n\r\n" % (8 << 20))
                 reply = _read_response(sock)  # times out (fails) if the server waits for the body
@@ -146,7 +147,7 @@ def test_overload_is_refused_before_the_body_is_read(session):
             assert head.startswith(b"HTTP/1.1 503"), head
             assert b"retry-after: 1" in head.lower(), head
             assert "queue full" in json.loads(body)["error"]
-            assert metric(srv, "overload") == 1
+            assert metric(srv, "overloaded") == 1
         finally:
             gated.gate.set()
             for t in threads:
@@ -292,7 +293,7 @@ BAD_LISTS = {
 def test_malformed_long_lists_are_refused_as_plain_json_refuses_them(case):
     numbers = b", ".join([b"0.125"] * 100_000)
     body = b'{"inputs": [{"name": "x", "data": [' + numbers + b", " + BAD_LISTS[case] + b", " + numbers + b"]}]}"
-    with pytest.raises(BadRequest, match="malformed request JSON"):
+    with pytest.raises(ProtocolError, match="malformed request JSON"):
         codec.parse_json(body)
 
 
@@ -345,13 +346,13 @@ def test_a_long_token_id_list_to_minilm_gives_the_binary_numbers_and_bad_ids_get
 def test_a_client_that_disconnects_mid_body_is_not_an_internal_error(session):
     with running_server({"maw": session.path}) as srv:
         for _ in range(3):
-            with socket.create_connection((srv.config.host, srv.port), timeout=10) as sock:
+            with socket.create_connection((srv.host, srv.port), timeout=10) as sock:
                 sock.sendall(b"POST /v2/models/maw/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
                              + b'{"inputs": [' + b" " * 5000)
         deadline = time.monotonic() + 20
-        while metric(srv, "client_disconnect") < 3 and time.monotonic() < deadline:
+        while metric(srv, "client_gone") < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metric(srv, "client_disconnect") == 3
+        assert metric(srv, "client_gone") == 3
         assert metric(srv, "internal") == 0
         r = httpx.post(f"{srv.url}/v2/models/maw/infer", content=json_request(request(session, 1, 4, 0)), timeout=30)
         assert r.status_code == 200
@@ -372,11 +373,11 @@ def test_a_grpc_call_cancelled_by_its_deadline_is_a_client_disconnect(session):
                 client.infer("maw", [item], client_timeout=0.5)  # the worker is held: the deadline passes
             assert "DEADLINE_EXCEEDED" in str(info.value.status())
             deadline = time.monotonic() + 20
-            while metric(srv, "client_disconnect") < 1 and time.monotonic() < deadline:
+            while metric(srv, "client_gone") < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
             gated.gate.set()
-        assert metric(srv, "client_disconnect") == 1 and metric(srv, "internal") == 0
+        assert metric(srv, "client_gone") == 1 and metric(srv, "internal") == 0
 
 
 # --- item 9: NaN / Inf never goes out as JSON -----------------------------------------------
@@ -404,7 +405,7 @@ def test_non_finite_outputs_are_refused_as_json_and_sent_as_binary(session):
         assert r.status_code == 422, r.text[:300]  # the request's own values did it (issue 26, item 13)
         error = json.loads(r.text, parse_constant=lambda c: pytest.fail(f"non-JSON token {c}"))["error"]
         assert "output 'output' holds NaN or infinite values" in error and "binary_data" in error
-        assert metric(srv, "non_finite_output") == 1 and metric(srv, "internal") == 0
+        assert metric(srv, "unprocessable") == 1 and metric(srv, "internal") == 0
         body = json.loads(json_request(feeds))
         body["outputs"] = [{"name": "output", "parameters": {"binary_data": True}}, {"name": "maw_depth"}]
         r = httpx.post(url, content=json.dumps(body), timeout=30)

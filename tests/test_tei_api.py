@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from attnx.runtime import load
-from attnx.runtime.embeddings import Dimensions
-from attnx.runtime.protocol import Limits
-from conftest_runtime import EXPORT_KW, cosine_rows, long_text, minilm_export, running_server, sentence_transformer
+from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.wire.limits import Limits
+from conftest_runtime import EXPORT_KW, cosine_rows, long_text, running_server
+from support import exports
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi"]
 
@@ -20,7 +21,7 @@ TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, exported):
     """One embedding model, as TEI serves (maw beside it takes no text, so /embed needs no "model")."""
-    models = {"minilm": load(minilm_export(tmp_path_factory), device="cpu"), "maw": exported("maw", **EXPORT_KW).path}
+    models = {"minilm": load(exports.minilm().path, device="cpu"), "maw": exported("maw", **EXPORT_KW).path}
     with running_server(models, limits=Limits(max_texts=64), dimensions=Dimensions.parse(["any"], models)) as s:
         yield s
 
@@ -43,7 +44,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 def assert_matches(got, want) -> None:

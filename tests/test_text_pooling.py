@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -17,11 +15,12 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import TextModel, load
-from attnx.runtime.pooling import Pooling, pool_batch, read_pooling
+from attnx.runtime.core.pooling import Pooling, pool_batch, read_pooling
 from conftest_runtime import cosine_rows, running_server
+from support.cli import run as attnx
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+import transformers
+import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a man woman dog cat eats runs sees big small red".split()
 TEXTS = ["the man sees a big dog", "a cat runs", "the small red cat eats the big dog", "a woman"]
@@ -123,9 +122,7 @@ def test_a_folder_without_pooling_config_is_mean_pooled_and_says_so_once(st_mode
     with running_server({"bert": path}, tokenizers={None: bare}, on_warning=heard.append):
         pass
     assert len(heard) == 1 and "mean of 'last_hidden_state'" in heard[0]
-    run = subprocess.run([sys.executable, "-m", "attnx.cli.main", "serve", f"bert={path}", "--tokenizer", str(bare),
-                          "--describe"], capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "ATTNX_WORKDIR": str(tmp_path)})
+    run = attnx("serve", f"bert={path}", "--tokenizer", str(bare), "--describe", env={"ATTNX_WORKDIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr
     assert run.stderr.count("mean of 'last_hidden_state'") == 1
     assert "mean pooling (no pooling config)" in run.stdout

@@ -14,8 +14,9 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, TextModel, load
-from attnx.runtime.metrics import histogram_counts
-from conftest_runtime import EXPORT_KW, cosine_rows, long_text, minilm_export, running_server, sentence_transformer
+from attnx.runtime.wire.metrics import histogram_counts
+from conftest_runtime import EXPORT_KW, cosine_rows, long_text, running_server
+from support import exports
 
 TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake this morning.", "Hi",
          "The quick brown fox jumps over the lazy dog, again and again, until the dog finally wakes up."]
@@ -23,7 +24,7 @@ TEXTS = ["A man is eating food.", "Two dogs play in the snow near a frozen lake 
 
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_export(tmp_path_factory)
+    return exports.minilm().path
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def st():
-    return sentence_transformer()
+    return exports.minilm_reference()
 
 
 @pytest.fixture(scope="module")

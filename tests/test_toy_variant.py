@@ -25,17 +25,18 @@ from conftest_runtime import running_server, triton_infer  # noqa: E402
 
 from attnx.models import build_encoder, get_spec, reference, variant_names  # noqa: E402
 from attnx.models.spec import unregister  # noqa: E402
+from support.cli import subprocess_run  # noqa: E402
 
 TESTS = Path(__file__).parent
 SMALL = ["--set", "d_model=32", "--set", "n_heads=4"]
 
 
 def attnx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The command line with the toy registered the out-of-tree way: a module named in $ATTNX_VARIANTS."""
-    env = {**os.environ, "ATTNX_VARIANTS": "toy_variant", "HF_HUB_OFFLINE": "1", "COLUMNS": "200",
+    """A real process with the toy registered the out-of-tree way: a module named in $ATTNX_VARIANTS,
+    read when the process starts."""
+    env = {"ATTNX_VARIANTS": "toy_variant",
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
+    return subprocess_run(*args, cwd=cwd, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module", autouse=True)

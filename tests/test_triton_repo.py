@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 from google.protobuf import text_format
@@ -16,6 +13,8 @@ from attnx.deploy.repository import write_repository
 from attnx.deploy.triton import ConfigError, model_config, to_pbtxt, triton_schema, validate_config
 from attnx.runtime import load
 from conftest_runtime import EXPORT_KW
+from support.cli import one_line_error
+from support.cli import run as attnx
 
 
 PLAN = b"ftrt" + bytes(60)
@@ -119,6 +118,44 @@ def test_validator_rejects_what_triton_would(tmp_path):
         validate_config(good.replace("max_batch_size: 4", "max_batch_size: 0") + "dynamic_batching {\n}\n")
 
 
+def test_python_backend_repository_runs_attnx_and_says_what_it_needs(maw_path, tmp_path):
+    """``--backend python``: the model folder holds attnx's runtime model and the ONNX file; the sequence
+    inputs batch ragged (attnx pads them), the mask is optional (attnx fills it). A real Triton runs such
+    repositories in tests/test_triton_server.py."""
+    from attnx.deploy import runtime_model
+
+    run = attnx("triton-repo", str(maw_path), "-o", str(tmp_path / "repo"), "--name", "maw", "--backend", "python")
+    assert run.returncode == 0, run.stderr
+    assert "runs attnx's runtime in Triton's Python backend" in " ".join(run.stdout.split())
+    model_dir = tmp_path / "repo" / "maw"
+    cfg = parse_with_triton_schema(model_dir / "config.pbtxt")
+    assert cfg.backend == "python" and not cfg.platform and cfg.max_batch_size == 32
+    inputs = {t.name: t for t in cfg.input}
+    assert inputs["hidden_states"].allow_ragged_batch and not inputs["hidden_states"].optional
+    assert inputs["attention_mask"].allow_ragged_batch and inputs["attention_mask"].optional
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params == {"model_file": "model.onnx", "max_length_ratio": "1.5"}
+    assert (model_dir / "1" / "model.onnx").read_bytes() == maw_path.read_bytes()
+    assert (model_dir / "1" / "model.py").read_text() == open(runtime_model.__file__).read()
+    readme = (tmp_path / "repo" / "README.md").read_text()
+    assert "Models run by attnx's runtime (Python backend)" in readme and "numpy<2" in readme
+    dockerfile = (tmp_path / "repo" / "Dockerfile").read_text()
+    assert '"numpy<2"' in dockerfile and "onnxruntime==" in dockerfile and "--no-deps" in dockerfile
+    bad = attnx("triton-repo", str(maw_path), "-o", str(tmp_path / "repo2"), "--backend", "tensorrt")
+    one_line_error(bad, "runs on Triton's onnxruntime backend or attnx's (python), not tensorrt")
+
+
+def test_runtime_model_groups_requests_that_can_share_a_run():
+    from types import SimpleNamespace as Item
+
+    from attnx.deploy.runtime_model import length_groups
+
+    items = [Item(key="a", length=10), Item(key="a", length=40), Item(key="b", length=10), Item(key="a", length=14),
+             Item(key="a", length=12)]
+    assert length_groups(items, 1.5) == [[0, 4, 3], [1], [2]]
+    assert length_groups(items, None) == [[0, 4, 3, 1], [2]]
+
+
 def test_server_config_endpoint_matches_the_repository_config(maw_path):
     session = load(maw_path)
     cfg = model_config("maw", session, max_batch_size=8, max_queue_delay_us=100)
@@ -130,15 +167,13 @@ def test_cli_writes_the_latest_export(maw_path, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     (work / "maw.onnx").write_bytes(maw_path.read_bytes())
-    env = {**os.environ, "ATTNX_WORKDIR": str(work)}
-    run = subprocess.run([sys.executable, "-m", "attnx.cli.main", "triton-repo", "-o", str(tmp_path / "repo"),
-                          "--max-batch", "8"], capture_output=True, text=True, env=env, timeout=120)
+    env = {"ATTNX_WORKDIR": str(work)}
+    run = attnx("triton-repo", "-o", str(tmp_path / "repo"), "--max-batch", "8", env=env)
     assert run.returncode == 0, run.stderr
     assert "most recent ONNX export" in run.stderr
     cfg = parse_with_triton_schema(tmp_path / "repo" / "maw" / "config.pbtxt")
     assert cfg.max_batch_size == 8
-    bad = subprocess.run([sys.executable, "-m", "attnx.cli.main", "triton-repo", str(tmp_path / "nope.onnx")],
-                         capture_output=True, text=True, env=env, timeout=120)
+    bad = attnx("triton-repo", str(tmp_path / "nope.onnx"), env=env)
     assert bad.returncode != 0 and "no model file" in bad.stderr
 
 
@@ -151,19 +186,6 @@ def _enum(value):
 # ----------------------------------------------------------------------------- issue 15: paths, errors, debris
 
 
-def attnx(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "attnx.cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=180)
-
-
-def one_line_error(run, *phrases):
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode != 0 and len(lines) == 1 and "Traceback" not in run.stderr, run.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
-    return lines[0]
-
-
 def tree(folder):
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
@@ -174,7 +196,7 @@ def test_a_name_that_is_not_a_plain_model_name_is_refused(maw_path, tmp_path, na
     work.mkdir(parents=True)
     before = tree(tmp_path)
     run = attnx("triton-repo", str(maw_path), "-o", str(work / "repo"), "--name", name, cwd=work)
-    one_line_error(run, "is not a plain name")
+    one_line_error(run, "is not a plain name", alone=True)
     assert tree(tmp_path) == before and not (tmp_path / "x").exists() and not (tmp_path.parent / "x").exists()
 
 
@@ -216,7 +238,7 @@ def test_external_data_outside_the_model_folder_is_refused_never_copied(tmp_path
     model = _with_external_data(models, location)
     (models / "ext.data").unlink()
     run = attnx("triton-repo", str(model), "-o", str(tmp_path / "repo"))
-    one_line_error(run, "external data location", "points outside", "refused")
+    one_line_error(run, "external data location", "points outside", "refused", alone=True)
     assert not (tmp_path / "repo").exists()
     copies = [p for p in tmp_path.rglob("secret.bin")]
     assert copies == [secret]
@@ -231,7 +253,7 @@ def test_corrupt_onnx_is_one_line_and_leaves_nothing(maw_path, tmp_path, content
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(maw_path.read_bytes()[:3000] if content is None else content)
     run = attnx("triton-repo", str(bad), "-o", str(tmp_path / "out" / "repo"))
-    one_line_error(run, message)
+    one_line_error(run, message, alone=True)
     assert not (tmp_path / "out").exists()
     verbose = attnx("--verbose", "triton-repo", str(bad), "-o", str(tmp_path / "out" / "repo"))
     assert verbose.returncode != 0 and "Traceback" in verbose.stderr
@@ -241,7 +263,7 @@ def test_an_engine_that_is_not_one_is_refused(maw_path, tmp_path):
     engine = tmp_path / "m.engine"
     engine.write_bytes(b"\x00garbage, not a plan")
     run = attnx("triton-repo", str(engine), "--onnx", str(maw_path), "-o", str(tmp_path / "repo"))
-    one_line_error(run, "is not a TensorRT engine")
+    one_line_error(run, "is not a TensorRT engine", alone=True)
     assert not (tmp_path / "repo").exists()
 
 
@@ -249,7 +271,7 @@ def test_missing_external_data_leaves_no_empty_folders(tmp_path):
     model = _with_external_data(tmp_path, "ext.data")
     (tmp_path / "ext.data").unlink()
     run = attnx("triton-repo", str(model), "-o", str(tmp_path / "new" / "repo"))
-    one_line_error(run, "external data file 'ext.data' is missing")
+    one_line_error(run, "external data file 'ext.data' is missing", alone=True)
     assert not (tmp_path / "new").exists()
 
 
@@ -293,5 +315,5 @@ def test_a_model_inside_the_folder_it_would_replace_is_refused(maw_path, tmp_pat
     repo = tmp_path / "repo"
     inner = write_repository(maw_path, repo, name="m").model_dir / "1" / "model.onnx"
     run = attnx("triton-repo", str(inner), "-o", str(repo), "--name", "m")
-    one_line_error(run, "which would be replaced")
+    one_line_error(run, "which would be replaced", alone=True)
     assert inner.read_bytes() == maw_path.read_bytes()

@@ -27,6 +27,7 @@ from attnx.deploy.kserve import KServeOptions, check_manifest
 from attnx.deploy.repository import write_repository
 from attnx.deploy.triton import ConfigError, triton_schema, validate_ensemble
 from attnx.pretrained import minilm_path
+from support.cli import run as run_cli
 
 MINILM = minilm_path()
 SHORT = ["A man is eating food.", "A man is riding a horse.", "Das ist ein Satz, und noch einer."]
@@ -51,6 +52,10 @@ def _standin_pb_utils():
 
         def as_numpy(self):
             return self._array
+
+        @classmethod
+        def from_dlpack(cls, name, tensor):
+            return cls(name, np.array(tensor.as_numpy()))
 
     class TritonError:
         UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG = 0, 1, 2, 3
@@ -129,7 +134,8 @@ def run_ensemble(repo, ensemble_name, feeds, pb_utils):
     tensors = dict(feeds)
     for step in ensemble.ensemble_scheduling.step:
         folder = repo / step.model_name
-        step_inputs = {key: tensors[value] for key, value in step.input_map.items()}
+        # An optional ensemble input the request left out: Triton runs the step without it.
+        step_inputs = {key: tensors[value] for key, value in step.input_map.items() if value in tensors}
         config = parse_config(folder)
         if config.backend == "python":
             request = pb_utils.InferenceRequest([pb_utils.Tensor(k, v) for k, v in step_inputs.items()])
@@ -149,29 +155,26 @@ def run_ensemble(repo, ensemble_name, feeds, pb_utils):
 
 
 @pytest.fixture(scope="module")
-def minilm_export(tmp_path_factory):
-    from attnx.export.pretrained import export_pretrained
-
-    return export_pretrained(MINILM, tmp_path_factory.mktemp("minilm") / "minilm.onnx", variant="mha").path
+def minilm_onnx(minilm_export):
+    """The real all-MiniLM-L6-v2 export (mha), shared with the other modules (tests/conftest.py)."""
+    return minilm_export("mha").path
 
 
 @pytest.fixture(scope="module")
-def text_repo(minilm_export, tmp_path_factory):
-    return write_repository(minilm_export, tmp_path_factory.mktemp("r") / "repo", name="minilm",
+def text_repo(minilm_onnx, tmp_path_factory):
+    return write_repository(minilm_onnx, tmp_path_factory.mktemp("r") / "repo", name="minilm",
                             max_queue_delay_us=500)
 
 
 @pytest.fixture(scope="module")
-def sbert():
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(str(MINILM), device="cpu")
+def sbert(st_minilm):
+    return st_minilm
 
 
 # ----------------------------------------------------------------------------- the repository
 
 
-def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(text_repo, minilm_export):
+def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(text_repo, minilm_onnx):
     repo, schema = text_repo.root, triton_schema()
     assert text_repo.entry == "minilm" and set(text_repo.models) == {"minilm", "minilm_tokenizer", "minilm_model"}
     configs = {n: parse_config(repo / n) for n in text_repo.models}
@@ -191,13 +194,13 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
     assert [(t.name, list(t.dims)) for t in tokenizer.output] == [(t.name, list(t.dims)) for t in model.input]
     # The model: ONNX Runtime with dynamic batching, the export's bytes.
     assert model.platform == "onnxruntime_onnx" and model.dynamic_batching.max_queue_delay_microseconds == 500
-    assert (repo / "minilm_model" / "1" / "model.onnx").read_bytes() == minilm_export.read_bytes()
+    assert (repo / "minilm_model" / "1" / "model.onnx").read_bytes() == minilm_onnx.read_bytes()
     shipped = repo / "minilm_tokenizer" / "1"
     from attnx.deploy import tokenizer_model
 
     assert (shipped / "model.py").read_text() == open(tokenizer_model.__file__).read()
     # the export's tokenizer.json travels as exported: the source's fixed 128 padding off, truncation at 256
-    exported = minilm_export.parent / ModelInfo.read(minilm_export).tokenizer["dir"] / "tokenizer.json"
+    exported = minilm_onnx.parent / ModelInfo.read(minilm_onnx).tokenizer["dir"] / "tokenizer.json"
     assert sha256_file(shipped / "tokenizer" / "tokenizer.json") == sha256_file(exported)
     shipped_json = json.loads((shipped / "tokenizer" / "tokenizer.json").read_text())
     assert shipped_json["padding"] is None and shipped_json["truncation"]["max_length"] == 256
@@ -206,8 +209,8 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
 
 
 def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transformers_embeddings(
-        text_repo, minilm_export, sbert, pb_utils):
-    from attnx.runtime.encode import TextModel
+        text_repo, minilm_onnx, sbert, pb_utils):
+    from attnx.runtime.core.encode import TextModel
 
     texts = [*SHORT, MEDIUM, LONG]
     model = load_tokenizer_model(text_repo.root / "minilm_tokenizer", pb_utils)
@@ -216,7 +219,7 @@ def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transfor
     assert set(out) == {"input_ids", "attention_mask", "token_type_ids"} and out["input_ids"].dtype == np.int64
     lengths = out["attention_mask"].sum(axis=1)
     assert out["input_ids"].shape == (5, 256) and lengths.max() == 256  # LONG is cut at the export's 256
-    attnx_ids = TextModel(minilm_export).tokenize(texts)
+    attnx_ids = TextModel(minilm_onnx).tokenize(texts)
     want = sbert.tokenizer(texts, truncation=True, max_length=256)["input_ids"]
     for row, (ours, theirs, st) in enumerate(zip(out["input_ids"], attnx_ids, want)):
         assert lengths[row] == len(theirs) == len(st)
@@ -227,7 +230,7 @@ def test_tokenizer_execute_gives_attnx_tokens_and_the_ensemble_sentence_transfor
     got = run_ensemble(text_repo.root, "minilm", {"text": np.array([[t] for t in texts], dtype=object)}, pb_utils)
     reference = sbert.encode(texts, convert_to_numpy=True)
     assert np.abs(got["sentence_embedding"] - reference).max() < 2e-5
-    served = TextModel(minilm_export).encode(texts, normalize_embeddings=True)
+    served = TextModel(minilm_onnx).encode(texts, normalize_embeddings=True)
     assert np.abs(got["sentence_embedding"] - served).max() < 2e-5
     assert (got["attention_mask"] == out["attention_mask"]).all() and got["last_hidden_state"].shape[:2] == (5, 256)
 
@@ -273,6 +276,10 @@ def test_ensemble_validator_rejects_what_triton_would(text_repo):
     broken.output[1].data_type = triton_schema().TYPE_FP16
     with pytest.raises(ConfigError, match="another data type"):
         validate_ensemble(broken, configs)
+    broken.CopyFrom(ensemble)
+    broken.input[0].optional = True  # Triton would run the tokenizer without the text it requires
+    with pytest.raises(ConfigError, match=r"minilm_tokenizer needs \['text'\], which the ensemble lets a request leave out"):
+        validate_ensemble(broken, configs)
 
 
 def test_context_inputs_pass_through_the_ensemble(tmp_path, pb_utils):
@@ -302,6 +309,15 @@ def test_context_inputs_pass_through_the_ensemble(tmp_path, pb_utils):
     for entry in context:
         feeds[entry.name] = rng.standard_normal((len(SHORT), *entry.shape[1:])).astype(np.float32)
     got = run_ensemble(repo, "tiny", feeds, pb_utils)
+    # smal's context inputs default to zeros: optional in the ensemble, through the tokenizer step, which
+    # passes them on; left out, it fills zeros and the model step still gets every input it requires.
+    assert all(t.optional for t in ensemble.input[1:])
+    tokenizer = parse_config(repo / "tiny_tokenizer")
+    assert [(t.name, t.optional) for t in tokenizer.input] == [("text", False), *((e.name, True) for e in context)]
+    assert [t.name for t in tokenizer.output][-len(context):] == [e.name for e in context]
+    assert not any(t.optional for t in parse_config(repo / "tiny_model").input)  # ONNX Runtime fills nothing
+    without = run_ensemble(repo, "tiny", {"text": feeds["text"]}, pb_utils)
+    assert np.abs(without["last_hidden_state"] - got["last_hidden_state"]).max() < 1e-5  # smal is neutral
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     batch = tok(SHORT, padding="max_length", max_length=got["attention_mask"].shape[1], truncation=True,
                 return_tensors="pt")
@@ -320,7 +336,8 @@ def _fake_engine(tmp_path, onnx_path, seq_max):
     engine = tmp_path / "minilm.engine"
     engine.write_bytes(b"ftrt" + bytes(64))
     shutil.copy2(onnx_path, tmp_path / "minilm.onnx")
-    shutil.copytree(onnx_path.with_name("minilm.tokenizer"), tmp_path / "minilm.tokenizer")
+    folder = ModelInfo.read(onnx_path).tokenizer["dir"]  # the ONNX names its tokenizer folder
+    shutil.copytree(onnx_path.parent / folder, tmp_path / folder)
     ids = {"dtype": "int64", "shape": ["batch", "seq"]}
     (tmp_path / "minilm.engine.json").write_text(json.dumps({
         "engine_sha256": sha256_file(engine), "engine_bytes": engine.stat().st_size, "onnx_name": "minilm.onnx",
@@ -331,8 +348,8 @@ def _fake_engine(tmp_path, onnx_path, seq_max):
     return engine
 
 
-def test_engine_text_ensemble_fits_the_engines_profiles(minilm_export, tmp_path):
-    engine = _fake_engine(tmp_path, minilm_export, seq_max=128)
+def test_engine_text_ensemble_fits_the_engines_profiles(minilm_onnx, tmp_path):
+    engine = _fake_engine(tmp_path, minilm_onnx, seq_max=128)
     with pytest.raises(ValueError, match="seq profile stops at 128.*--max-length 128"):
         write_repository(engine, tmp_path / "repo", plugin_library=None)
     assert not (tmp_path / "repo").exists()
@@ -348,15 +365,39 @@ def test_engine_text_ensemble_fits_the_engines_profiles(minilm_export, tmp_path)
     validate_ensemble(configs["minilm"], configs)
 
 
+def test_engine_in_the_python_backend_ships_its_sidecar_and_plugin(minilm_onnx, tmp_path):
+    """An attnx engine run by attnx's runtime in Triton's Python backend (no engine runs here: the files
+    and the config are checked; the runtime's engine path is tested with TensorRT in test_engine_*)."""
+    engine = _fake_engine(tmp_path, minilm_onnx, seq_max=256)
+    plugin = tmp_path / "libattnx_plugins.so"
+    plugin.write_bytes(b"\x7fELF fake")
+    written = write_repository(engine, tmp_path / "repo", backend="python", plugin_library=plugin)
+    model = parse_config(written.model_dir)
+    params = {k: v.string_value for k, v in model.parameters.items()}
+    assert model.backend == "python" and not model.platform and written.backend == "python"
+    assert params["model_file"] == "model.plan" and params["plugin_library"] == "plugins/libattnx_plugins.so"
+    assert "onnx_file" not in params  # the sidecar lists the engine's tensors
+    assert model.instance_group[0].kind == triton_schema().ModelInstanceGroup.KIND_GPU
+    version = written.model_dir / "1"
+    assert sorted(p.name for p in version.iterdir()) == ["model.plan", "model.plan.json", "model.py"]
+    assert (version / "model.plan").read_bytes() == engine.read_bytes()
+    assert (written.model_dir / "plugins" / "libattnx_plugins.so").is_file()
+    assert not (written.root / "kserve.yaml").exists()
+    configs = {n: parse_config(written.root / n) for n in written.models}
+    validate_ensemble(configs["minilm"], configs)
+    with pytest.raises(ValueError, match="runs on Triton's tensorrt backend or attnx's"):
+        write_repository(engine, tmp_path / "repo2", backend="onnxruntime")
+
+
 # ----------------------------------------------------------------------------- KServe
 
 
-def test_kserve_manifest_for_the_text_repository(minilm_export, tmp_path):
+def test_kserve_manifest_for_the_text_repository(minilm_onnx, tmp_path):
     with pytest.raises(ValueError, match="needs the tokenizers package.*--kserve-image"):
-        write_repository(minilm_export, tmp_path / "repo", name="minilm",
+        write_repository(minilm_onnx, tmp_path / "repo", name="minilm",
                          kserve=KServeOptions("s3://models/minilm"))
     assert not (tmp_path / "repo").exists()
-    written = write_repository(minilm_export, tmp_path / "repo", name="minilm",
+    written = write_repository(minilm_onnx, tmp_path / "repo", name="minilm",
                                kserve=KServeOptions("s3://models/minilm", image="registry/attnx-triton:1", gpus=1))
     import yaml
 
@@ -373,12 +414,9 @@ def test_kserve_manifest_for_the_text_repository(minilm_export, tmp_path):
     assert "kserve.yaml" in (written.root / "README.md").read_text()
 
 
-def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minilm_export, tmp_path):
-    import subprocess
-
+def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minilm_onnx, tmp_path):
     def attnx(*args):
-        return subprocess.run([sys.executable, "-m", "attnx.cli.main", "triton-repo", str(minilm_export), *args],
-                              capture_output=True, text=True, timeout=180)
+        return run_cli("triton-repo", minilm_onnx, *args)
 
     run = attnx("-o", str(tmp_path / "repo"), "--kserve-uri", "s3://models/minilm")
     lines = run.stderr.strip().splitlines()
@@ -386,7 +424,7 @@ def test_cli_writes_the_text_ensemble_and_refuses_a_manifest_it_cannot_run(minil
     assert not (tmp_path / "repo").exists()
     run = attnx("-o", str(tmp_path / "repo"), "--kserve-uri", "not a uri", "--kserve-image", "img")
     assert run.returncode != 0 and "storage URI 'not a uri'" in run.stderr and not (tmp_path / "repo").exists()
-    run = attnx("-o", str(tmp_path / "repo"), "--pad-multiple", "32", "--kserve-uri", "gs://b/minilm",
+    run = attnx("-o", str(tmp_path / "repo"), "--name", "minilm", "--pad-multiple", "32", "--kserve-uri", "gs://b/minilm",
                 "--kserve-image", "registry/attnx-triton:1")
     assert run.returncode == 0, run.stderr
     assert "call minilm with a BYTES input 'text'" in " ".join(run.stdout.split())

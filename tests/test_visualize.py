@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("matplotlib")  # a guard only: installed with attnx[dev]
+import matplotlib  # noqa: E402,F401
 from PIL import Image  # noqa: E402  (matplotlib depends on pillow)
 
 from attnx.models import build_encoder  # noqa: E402
-from attnx.interp.analysis import analyze_cache  # noqa: E402
-from attnx.interp.hooks import run_with_cache  # noqa: E402
+from attnx.explain.analysis import analyze_cache  # noqa: E402
+from attnx.models.hooks import run_with_cache  # noqa: E402
 from attnx.interp.visualize import (  # noqa: E402
     attention_html,
     default_figsize,

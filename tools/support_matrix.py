@@ -1,6 +1,6 @@
 """Write docs/models.md from the support-matrix results the tests record (never typed by hand).
 
-    .venv/bin/pytest tests/test_families.py tests/test_holdout_families.py   # writes attnx-out/support-matrix.json
+    ATTNX_SUPPORT_MATRIX=$PWD/attnx-out/support-matrix.json .venv/bin/pytest tests/test_families.py tests/test_holdout_families.py
     .venv/bin/python tools/support_matrix.py [--results attnx-out/support-matrix.json] [--out docs/models.md]
 
 Each row is one family with one variant, as ``tests/test_families.py`` (the matrix CI runs) and

@@ -1,0 +1,66 @@
+"""Reading the tokenizer an export carries (``attnx.tokenizer``: the folder and settings that
+:func:`attnx.export.pretrained.export_pretrained` writes beside it).
+
+:class:`ExportTokenizer` reads the file with the ``tokenizers`` library, truncating at the export's
+``max_length`` on its recorded side, the file's own padding switched off (callers pad the batch
+with ``pad_id`` and mask it). int8 calibration (:mod:`attnx.export.quantize`) and the parity check
+on real text (:mod:`attnx.parity.text_cases`) tokenise through it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from attnx.contract import ContractError, ModelInfo, contained
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: tuple[int, ...]
+    type_ids: tuple[int, ...]
+    truncated: bool
+
+
+class ExportTokenizer:
+    """The export's own tokenizer (see the module doc); ``max_length`` and ``pad_id`` from its metadata.
+    A missing or bad tokenizer is a :class:`~attnx.contract.ContractError` (one line)."""
+
+    def __init__(self, model_path: str | os.PathLike, info: ModelInfo):
+        from tokenizers import Tokenizer
+
+        meta = info.tokenizer or {}
+        if not meta.get("dir"):
+            raise ContractError(f"{Path(model_path).name} names no tokenizer (attnx.tokenizer): re-export it with "
+                                "`attnx export --from-pretrained`")
+        try:
+            folder = contained(Path(model_path).parent, str(meta["dir"]), "the tokenizer folder named by attnx.tokenizer")
+            path = contained(folder, str(meta.get("file") or "tokenizer.json"), "the tokenizer file named by attnx.tokenizer")
+            self.max_length = int(meta["max_length"])
+            self.pad_id = int(meta.get("pad_id", 0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ContractError(f"bad attnx.tokenizer metadata in {Path(model_path).name} ({e!r})") from None
+        side = str(meta.get("truncation_side", "right"))
+        if side not in ("left", "right") or self.max_length < 1:
+            raise ContractError(f"bad attnx.tokenizer metadata in {Path(model_path).name}: truncation_side {side!r}, "
+                                f"max_length {self.max_length}")
+        if not path.is_file():
+            raise ContractError(f"the tokenizer file {path} named by {Path(model_path).name} is missing (it is written "
+                                "beside the export by `attnx export --from-pretrained`)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own Exception type on bad JSON
+            raise ContractError(f"cannot read the tokenizer {path}: {' '.join(str(e).split())[:160]}") from None
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(self.max_length, direction=side)
+        self.path, self.side = path, side
+
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        return [Encoded(tuple(e.ids), tuple(e.type_ids), bool(e.overflowing))
+                for e in self.tokenizer.encode_batch(list(texts))]
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path), "max_length": self.max_length, "truncation_side": self.side,
+                "pad_id": self.pad_id}

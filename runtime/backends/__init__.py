@@ -1,3 +1,0 @@
-"""The runtimes behind :class:`attnx.runtime.session.Session`, one module each: ONNX Runtime
-(:mod:`~attnx.runtime.backends.onnxrt`) and TensorRT engines (:mod:`~attnx.runtime.backends.tensorrt`).
-Each gives the session class, a loader of the file's I/O specs without running it, and its options."""

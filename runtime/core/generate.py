@@ -1,0 +1,93 @@
+"""Generating text from a with-past export, one request: prompt in, text out as it is made.
+
+    from attnx.runtime import TextModel
+
+    model = TextModel("attnx-out/llama-smal-with-past")          # the export's folder, file, or engine
+    for piece in model.generate("Once upon a time", max_new_tokens=32):
+        print(piece, end="", flush=True)                          # greedy; temperature=0.8 samples
+
+:class:`Generation` is one request's state (its tokens, its text so far, why it ended), shared with the server's
+step-level batching (:mod:`attnx.runtime.core.scheduler`); :func:`stream` runs one request on its own (``attnx
+generate``, :meth:`TextModel.generate <attnx.runtime.core.encode.TextModel.generate>`). A request ends at an
+end-of-sequence token (not part of the text), a stop string (not part of the text either), after ``max_new_tokens``,
+or when the model's positions are used up (``finish_reason`` ``"stop"`` or ``"length"``, as OpenAI's API says).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from attnx.runtime.core.decoding import Decoder
+from attnx.runtime.core.detokenize import TextStream
+from attnx.runtime.core.sampling import SamplingParams, next_token
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One step of a stream: the token chosen, the text it completes (may be ``""``), and, on the last
+    piece, why generation ended."""
+
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One request: its prompt, its parameters and random stream, the tokens and text so far."""
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams, tokenizer, eos: Sequence[int] = (),
+                 max_positions: int | None = None):
+        self.prompt = [int(t) for t in prompt]
+        self.params = params
+        self.rng = params.rng()
+        self.eos = () if params.ignore_eos else tuple(int(e) for e in eos)
+        self.limit = params.max_new_tokens
+        if max_positions:
+            self.limit = max(0, min(self.limit, max_positions - len(self.prompt)))
+        self.tokens: list[int] = []
+        self.text = TextStream(tokenizer, params.stop)
+        self.finish_reason: str | None = None if self.limit > 0 else "length"
+        self._seen = list(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def choose(self, logits: np.ndarray) -> int:
+        return next_token(logits, self.params, self.rng, self._seen if self.params.repetition_penalty != 1.0 else ())
+
+    def accept(self, token: int) -> Piece:
+        """Take the chosen token: the text it adds, and whether the request ends here."""
+        token = int(token)
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return Piece(token, self.text.finish(), "stop")
+        self.tokens.append(token)
+        self._seen.append(token)
+        text = self.text.add(token)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.limit:
+            self.finish_reason = "length"
+            text += self.text.finish()
+        return Piece(token, text, self.finish_reason)
+
+
+def stream(decoder: Decoder, tokenizer, prompt: Sequence[int], params: SamplingParams,
+           context: Mapping[str, np.ndarray] | None = None) -> Iterator[Piece]:
+    """Generate for one prompt (token ids), a :class:`Piece` per token; the last one has ``finish_reason``."""
+    gen = Generation(prompt, params, tokenizer, decoder.layout.eos, decoder.max_positions)
+    if gen.done:  # the prompt fills every position
+        yield Piece(None, "", gen.finish_reason)
+        return
+    logits, state = decoder.start(gen.prompt, context)
+    while True:
+        piece = gen.accept(gen.choose(logits))
+        yield piece
+        if gen.done:
+            return
+        logits, state = decoder.step(state, [piece.token])
+        logits = logits[0]

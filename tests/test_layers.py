@@ -1,0 +1,110 @@
+"""The package layers of docs/architecture.md, checked with import-linter (issue 31).
+
+The contracts live in pyproject.toml (``[tool.importlinter]``): each package imports only the layers
+below it (siblings written ``a | b`` not each other), function-local imports included, and serving
+(runtime, explain, deploy) never imports torch or transformers.
+
+grimp, import-linter's graph builder, reads a package from its folder; attnx maps its subpackages
+onto top-level folders (pyproject's ``package-dir``), so the sources are first copied into a
+temporary folder laid out as installed (``attnx/models/...``) and ``lint-imports`` runs there, in a
+fresh interpreter whose ``sys.path`` starts at that folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def installed_layout(dest: Path) -> Path:
+    """The package's Python sources under ``dest`` as pip installs them (``package-dir`` applied)."""
+    for package, folder in CONFIG["tool"]["setuptools"]["package-dir"].items():
+        src = ROOT / folder
+        for path in src.rglob("*.py"):
+            rel = path.relative_to(src)
+            if "__pycache__" in rel.parts or "build" in rel.parts:
+                continue
+            target = dest.joinpath(*package.split("."), rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+    return dest
+
+
+def lint_imports(tree: Path) -> tuple[int, str]:
+    """``lint-imports`` with pyproject's contracts over ``tree``: (exit status, report)."""
+    code = ("import sys; from importlinter.cli import lint_imports; "
+            "sys.exit(lint_imports(config_filename=sys.argv[1], no_cache=True, no_logo=True))")
+    env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "200"}
+    run = subprocess.run([sys.executable, "-c", code, str(ROOT / "pyproject.toml")], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=300)
+    return run.returncode, run.stdout + run.stderr
+
+
+@pytest.fixture()
+def tree(tmp_path) -> Path:
+    return installed_layout(tmp_path / "src")
+
+
+def test_every_package_imports_only_the_layers_below_it(tree):
+    status, report = lint_imports(tree)
+    assert status == 0, report
+    for name in ("attnx's packages import only the layers below them",
+                 "Serving and the explain page never import torch or transformers"):
+        assert re.search(rf"{re.escape(name)} KEPT", report), report
+    assert "Contracts: 2 kept, 0 broken." in report, report
+
+
+def test_an_upward_import_inside_a_function_is_reported(tree):
+    """The check can fail: a model module that imports the runtime, only when a function runs."""
+    (tree / "attnx" / "models" / "_layer_probe.py").write_text(
+        "def probe():\n    from attnx.runtime.core.session import load\n\n    return load\n")
+    status, report = lint_imports(tree)
+    assert status != 0
+    assert "attnx's packages import only the layers below them BROKEN" in report, report
+    assert "attnx.models is not allowed to import attnx.runtime" in report, report
+    assert "attnx.models._layer_probe -> attnx.runtime.core.session (l.2)" in report, report
+
+
+def test_a_cycle_between_siblings_and_torch_in_serving_are_reported(tree):
+    """Independent siblings stay independent (parity may not import deploy), and a function-local torch
+    import in the runtime breaks the serving contract."""
+    (tree / "attnx" / "parity" / "_layer_probe.py").write_text("import attnx.deploy.loadtest\n")
+    (tree / "attnx" / "runtime" / "_layer_probe.py").write_text("def probe():\n    import torch\n\n    return torch\n")
+    status, report = lint_imports(tree)
+    assert status != 0
+    assert "attnx.parity is not allowed to import attnx.deploy" in report, report
+    assert "attnx.parity._layer_probe -> attnx.deploy.loadtest (l.1)" in report, report
+    assert "Serving and the explain page never import torch or transformers BROKEN" in report, report
+    assert "attnx.runtime._layer_probe -> torch (l.2)" in report, report
+
+
+def test_a_new_package_must_be_given_a_layer(tree):
+    (tree / "attnx" / "newstep").mkdir()
+    (tree / "attnx" / "newstep" / "__init__.py").write_text("")
+    status, report = lint_imports(tree)
+    assert status != 0
+    assert "The following modules are not listed as layers" in report and "- attnx.newstep" in report, report
+
+
+def test_the_architecture_doc_lists_the_checked_layers():
+    """docs/architecture.md's layer table is the contract's, in the same order (top first)."""
+    layers = next(c for c in CONFIG["tool"]["importlinter"]["contracts"] if c["id"] == "layers")["layers"]
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- layers: checked by tests/test_layers.py -->\n```\n(.*?)```", doc, re.S)
+    assert block, "docs/architecture.md has no layer block"
+    listed = [re.split(r"\s{2,}", line.strip())[0] for line in block.group(1).splitlines() if line.strip()]
+    assert listed == layers
