@@ -35,7 +35,6 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
