@@ -180,6 +180,20 @@ def _plugin_record(plugins, needed: int, console, build_plugins: bool, target: s
                  "creators": [f"{ns}::{n} v{v}" for n, v, ns in loaded.creators]}
 
 
+def write_engine(engine_path: Path, plan, sidecar: Mapping[str, Any]) -> None:
+    """``plan`` (the serialised engine) at ``engine_path`` with its sidecar: staged beside them and made
+    visible together, the engine last (:mod:`attnx.export.staging`); a failed or killed write leaves the
+    previous engine and sidecar, and no partial file under either name."""
+    from attnx.export.staging import Staging
+
+    with Staging(engine_path, owned={engine_path.name, sidecar_path(engine_path).name}) as stage:
+        staged = stage.path(engine_path.name)
+        with open(staged, "wb") as f:
+            f.write(memoryview(plan))
+        write_sidecar(staged, sidecar)
+        stage.commit()
+
+
 def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None, *, fp16: bool = False,
           target: str | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
           timing_cache: str | os.PathLike | None = None, workspace: int | str | None = None,
@@ -197,14 +211,14 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     started = time.monotonic()
     src = Path(onnx_path)
     info, proto = read_model_info(src)  # a corrupt file fails here, before TensorRT sees it
-    trt_info = backend()  # TensorRTUnavailable names the extra to install
-    from attnx.export.staging import Staging, check_room, prepare_dir
+    from attnx.export.staging import check_room, prepare_dir
 
     engine_path = Path(output) if output else default_engine_path(src)
     # An unwritable destination, or one without room for an engine about the model's size, before the build.
     data = src.with_name(src.name + ".data")
     check_room(prepare_dir(engine_path.parent), src.stat().st_size + (data.stat().st_size if data.is_file() else 0),
                "the engine")
+    trt_info = backend()  # TensorRTUnavailable names the extra to install
 
     step("fp16")
     converted = False
@@ -278,12 +292,7 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": round(build_seconds, 3),
     }
-    # The engine and its sidecar appear together (staged beside them, the engine last), or not at all.
-    with Staging(engine_path, owned={engine_path.name, sidecar_path(engine_path).name}) as stage:
-        staged = stage.path(engine_path.name)
-        staged.write_bytes(plan)
-        write_sidecar(staged, sidecar)
-        stage.commit()
+    write_engine(engine_path, plan, sidecar)
     return EngineBuild(engine_path=engine_path, sidecar_path=sidecar_path(engine_path), sidecar=sidecar, onnx_path=src,
                        converted_fp16=converted, layers=seen["layers"], plugin_layers=n_plugin,
                        custom_nodes=n_custom, inlined_custom_nodes=inlined, seconds=time.monotonic() - started)
