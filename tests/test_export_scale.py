@@ -27,20 +27,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_folders import make_folder, train_tokenizer  # noqa: E402
-
-ATTNX = [sys.executable, "-m", "attnx.cli.main"]
-
-
-def attnx(*args, cwd=None, timeout=600):
-    return subprocess.run([*ATTNX, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+from support.cli import one_line_error, subprocess_popen, subprocess_run  # noqa: E402
+from support.cli import run as attnx  # noqa: E402
 
 
 def _one_line(proc, *parts):
-    assert proc.returncode != 0, proc.stdout
-    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, proc.stderr
-    for part in parts:
-        assert part in lines[0], lines[0]
+    """Exactly one line on stderr, the error, holding every one of ``parts``."""
+    one_line_error(proc, *parts, alone=True)
 
 
 def tied_llama(folder: Path, hidden: int = 64, layers: int = 2, vocab: int | None = None, ffn: int = 128,
@@ -189,7 +182,8 @@ def test_copy_weights_makes_a_standalone_reference(llama, tmp_path):
 
 
 def test_export_prints_no_third_party_warnings(llama, tmp_path):
-    proc = attnx("export", "--from-pretrained", str(llama), "--with-past", "-o", str(tmp_path / "wp" / "model.onnx"))
+    # a real process: third-party warnings may come from native code, past Python's sys.stderr
+    proc = subprocess_run("export", "--from-pretrained", llama, "--with-past", "-o", tmp_path / "wp" / "model.onnx")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr  # no "[W] colored module ...", no "foldable nodes ..."
     assert "reference for `attnx check`" in proc.stdout
@@ -271,26 +265,24 @@ def test_kill_9_at_20_moments_never_leaves_a_partial_export(tmp_path):
     names hold the previous complete export, the new complete one, or nothing; the next run clears the debris."""
     folder = make_folder("bert", tmp_path / "src")
     out = tmp_path / "out"
-    cmd = lambda variant: [*ATTNX, "export", "--from-pretrained", str(folder), "--variant", variant,  # noqa: E731
-                           "-o", str(out / "m.onnx")]
+    args = lambda variant: ("export", "--from-pretrained", folder, "--variant", variant,  # noqa: E731
+                            "-o", out / "m.onnx")
     started = time.monotonic()
-    first = subprocess.run(cmd("mha"), capture_output=True, text=True, timeout=600)
+    first = subprocess_run(*args("mha"), timeout=600)
     duration = time.monotonic() - started
     assert first.returncode == 0, first.stderr
-    seen = set()
     for i in range(20):
         if i == 10:  # the second half starts from nothing under the final names
             shutil.rmtree(out)
             out.mkdir()
-        proc = subprocess.Popen(cmd("cultural" if i % 2 else "mha"), stdout=subprocess.DEVNULL,
+        proc = subprocess_popen(*args("cultural" if i % 2 else "mha"), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         time.sleep(duration * (i + 1) / 21)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         state = _export_state(out)
-        seen.add(state)
         assert state in (("mha", "cultural") if i < 10 else ("none", "mha", "cultural")), state
-    final = subprocess.run(cmd("cultural"), capture_output=True, text=True, timeout=600)
+    final = subprocess_run(*args("cultural"), timeout=600)
     assert final.returncode == 0, final.stderr
     assert _export_state(out) == "cultural"
     assert sorted(p.name for p in out.iterdir()) == ["m.onnx", "m.safetensors", "m.tokenizer"]  # no debris
@@ -382,16 +374,21 @@ def tiny_bert(tmp_path_factory) -> Path:
     return make_folder("bert", tmp_path_factory.mktemp("bert"))
 
 
-def test_an_unwritable_or_full_destination_is_refused_before_any_work(tiny_bert, tmp_path, monkeypatch):
+def test_an_unwritable_or_full_destination_is_refused_before_any_work(tiny_bert, llama, exported, tmp_path,
+                                                                     monkeypatch):
+    """``attnx export`` and ``attnx build-engine``: a destination that cannot be created, or whose filesystem
+    lacks room for the estimated output, is refused in one line before the model is loaded (the export) or
+    TensorRT is looked for (the engine)."""
     import os
 
     from attnx import pretrained
     from attnx.export import staging
-    from attnx.export.pretrained import export_pretrained
 
+    model = exported("mha", lowering="rewrite").path  # from the cache, before statvfs is faked below
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    _one_line(attnx("export", "--from-pretrained", str(tiny_bert), "-o", str(blocker / "m.onnx")), "cannot")
+    _one_line(attnx("export", "--from-pretrained", tiny_bert, "-o", blocker / "m.onnx"), "cannot", str(blocker))
+    _one_line(attnx("build-engine", model, "-o", blocker / "e.engine"), "cannot", str(blocker))
 
     def no_load(*a, **k):
         raise AssertionError("the weights were loaded")
@@ -402,9 +399,14 @@ def test_an_unwritable_or_full_destination_is_refused_before_any_work(tiny_bert,
         f_bavail, f_frsize = 10, 4096
 
     monkeypatch.setattr(staging.os, "statvfs", lambda p: Tiny())
-    with pytest.raises(staging.NoRoom, match=r"not enough room in .*needs about .*MB, 0 MB is free"):
-        export_pretrained(tiny_bert, tmp_path / "out" / "m.onnx")
-    assert os.listdir(tmp_path / "out") == []
+    for folder, extra in ((tiny_bert, ()), (llama, ("--with-past",))):
+        out = tmp_path / "out" / ("wp" if extra else "") / "m.onnx"
+        _one_line(attnx("export", "--from-pretrained", folder, *extra, "-o", out),
+                  "not enough room in", "needs about", "MB, 0 MB is free")
+    assert [p for p in (tmp_path / "out").rglob("*") if p.is_file()] == []
+    _one_line(attnx("build-engine", model, "-o", tmp_path / "engines" / "e.engine"),
+              "not enough room in", "the engine needs about")
+    assert os.listdir(tmp_path / "engines") == []
 
 
 @pytest.mark.rtx
@@ -412,7 +414,6 @@ def test_build_engine_writes_engine_and_sidecar_as_a_whole(exported, tmp_path, m
     """A failed write (the disk full after the plan) leaves the previous engine and sidecar, no partial
     ``e.engine.tmp``; an engine that builds replaces both."""
     from attnx import engine as eng
-    from attnx.contract import sidecar_path
 
     if not eng.is_available():
         pytest.skip("no TensorRT (full or RTX) installed")
