@@ -109,15 +109,16 @@ def export_progress(label: str):
         def __call__(self, task):
             return self.column(task) if task.total is not None else ""
 
+    shown = console.is_terminal and err_console.is_terminal
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), Counted(BarColumn()), Counted(DownloadColumn()),
-                  TimeElapsedColumn(), console=console, transient=True,
-                  disable=not (console.is_terminal and err_console.is_terminal)) as progress:
+                  TimeElapsedColumn(), console=console, transient=True, disable=not shown) as progress:
         current = {"name": None, "task": None, "started": time.monotonic()}
 
         def step(name: str, done: int | None = None, total: int | None = None) -> None:
             if name != current["name"]:  # a new step: the last one's time stays on screen
                 if current["task"] is not None:
                     progress.remove_task(current["task"])
+                if current["task"] is not None and shown:
                     progress.console.print(f"  [dim]{STEP_LABELS.get(current['name'], current['name'])}: "
                                            f"{time.monotonic() - current['started']:.1f}s[/dim]", highlight=False)
                 current.update(name=name, started=time.monotonic(),

@@ -415,13 +415,12 @@ def test_build_engine_writes_engine_and_sidecar_as_a_whole(exported, tmp_path, m
     ``e.engine.tmp``; an engine that builds replaces both."""
     from attnx import engine as eng
 
-    if not eng.is_available():
-        pytest.skip("no TensorRT (full or RTX) installed")
     onnx_path = exported("mha", lowering="rewrite").path  # standard ops: no plugin library needed
     out = tmp_path / "e.engine"
     eng.build(onnx_path, out, target="sm89", plugins=None, build_plugins=False)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert sorted(before) == ["e.engine", "e.engine.json"]
+
     def full(engine, data):
         raise OSError(28, "No space left on device")
 
@@ -429,6 +428,31 @@ def test_build_engine_writes_engine_and_sidecar_as_a_whole(exported, tmp_path, m
     with pytest.raises(OSError, match="No space left"):
         eng.build(onnx_path, out, target="sm89", plugins=None, build_plugins=False)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+# --------------------------------------------------------------------------- progress
+
+def test_export_progress_on_a_terminal_and_quiet_when_piped(tiny_bert, tmp_path, monkeypatch):
+    """Each step's name and time on a terminal (a bar while the weights are written); nothing of it in a
+    pipe or a log."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from attnx.cli import export_cmd
+
+    piped = attnx("export", "--from-pretrained", tiny_bert, "-o", tmp_path / "piped.onnx")
+    assert piped.returncode == 0, piped.output
+    assert not [label for label in export_cmd.STEP_LABELS.values() if label in piped.output], piped.output
+    screen = io.StringIO()
+    monkeypatch.setattr(export_cmd, "console", Console(file=screen, force_terminal=True, width=120))
+    monkeypatch.setattr(export_cmd, "err_console", Console(file=io.StringIO(), force_terminal=True))
+    shown = attnx("export", "--from-pretrained", tiny_bert, "-o", tmp_path / "shown.onnx")
+    assert shown.returncode == 0, shown.output
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", screen.getvalue())  # colours and cursor moves
+    for step in ("load", "trace", "translate", "optimise", "check", "save"):
+        assert re.search(re.escape(export_cmd.STEP_LABELS[step]) + r": \d+\.\ds", text), (step, text)
 
 
 # --------------------------------------------------------------------------- refused at export
