@@ -16,8 +16,9 @@ export).
 
 Sizes: ``tiny`` (hidden 256, 4 layers), ``smollm2`` (SmolLM2-135M's shape: hidden 576, 30 layers, 9/3
 heads, FFN 1536, vocab 49152), ``1b`` (hidden 2048, 16 layers) and ``1.5b`` (hidden 2048, 24 layers,
-GQA 32/8, FFN 8192, vocab 49152: 1.56B parameters, 6.2 GB in fp32). Check ``free -g`` first: the 1.5B
-export peaks near 1.2x its 6.2 GB, and ``--verify`` loads it twice more (one process at a time).
+GQA 32/8, FFN 8192, vocab 49152: 1.56B parameters, 6.2 GB in fp32; the two large folders saved in bfloat16).
+Each export is removed once measured (``--keep`` keeps them). Check ``free -g`` and ``df`` first; on a shared
+machine ``--rss-limit GB`` kills any measured process that passes it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ SIZES = {
     "1.5b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=8192, vocab_size=49152),
 }
+#: The large sizes are saved in bfloat16, as checkpoints of that size ship (SmolLM2-1.7B, Llama 3.2 1B): half the
+#: disk (a 1.5B folder is 3.1 GB, its fp32 export 6.2 GB); attnx and the transformers reference load them as fp32.
+FOLDER_DTYPE = {"1b": "bfloat16", "1.5b": "bfloat16"}
 ATTNX = [sys.executable, "-m", "attnx.cli.main"]
 PROMPTS = ["The quick brown fox", "attention is all you need because"]
 
@@ -70,8 +74,8 @@ def _tokenizer(vocab: int):
 
 
 def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
-    """A random LlamaForCausalLM of ``size`` saved by transformers (weights N(0, 0.02), norms 1; filled
-    directly rather than by transformers' slower initialisers)."""
+    """A random LlamaForCausalLM of ``size`` saved by transformers in :data:`FOLDER_DTYPE` (weights N(0, 0.02),
+    norms 1; filled directly rather than by transformers' slower initialisers)."""
     import torch
     import transformers
 
@@ -80,7 +84,7 @@ def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
     cfg.architectures = ["LlamaForCausalLM"]
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").eval()
+    model = model.to(getattr(torch, FOLDER_DTYPE.get(size, "float32"))).to_empty(device="cpu").eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -118,28 +122,75 @@ def fp32_bytes(folder: Path) -> int:
     return 4 * sum(weight_numel(read_folder(folder).weights).values())
 
 
+#: ``--rss-limit``: a process whose RSS passes this many bytes is killed (a shared machine's guard); None: no guard
+RSS_LIMIT: int | None = None
+
+
+class OverLimit(RuntimeError):
+    pass
+
+
+def _watch(proc: subprocess.Popen, limit: int, tripped: list) -> None:
+    """Kill ``proc`` and its children once their RSS together passes ``limit`` (sampled every 0.2 s)."""
+    import psutil
+
+    try:
+        root = psutil.Process(proc.pid)
+    except psutil.Error:
+        return
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            rss = sum(p.memory_info().rss for p in tree)
+        except psutil.Error:
+            rss, tree = 0, []
+        if rss > limit:
+            tripped.append(rss)
+            for p in reversed(tree):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            return
+        time.sleep(0.2)
+
+
 def run_measured(cmd: list[str], env=None) -> dict:
-    """Run ``cmd``; its peak RSS (bytes) and wall time."""
+    """Run ``cmd``; its peak RSS (bytes: ``/usr/bin/time -v``'s maximum resident set, else psutil sampling, which
+    misses spikes shorter than its interval) and wall time. Past :data:`RSS_LIMIT` it is killed (:class:`OverLimit`)."""
+    import threading
+
+    timed = Path("/usr/bin/time").is_file()
     started = time.perf_counter()
-    if shutil.which("time") or Path("/usr/bin/time").is_file():
-        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env)
-        peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
-    else:  # psutil sampling (misses spikes shorter than the interval)
+    proc = subprocess.Popen(["/usr/bin/time", "-v", *cmd] if timed else cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    tripped: list[int] = []
+    watcher = None
+    if RSS_LIMIT is not None:
+        watcher = threading.Thread(target=_watch, args=(proc, RSS_LIMIT, tripped), daemon=True)
+        watcher.start()
+    peak = 0
+    if not timed:
         import psutil
 
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        ps, peak = psutil.Process(p.pid), 0
-        while p.poll() is None:
+        ps = psutil.Process(proc.pid)
+        while proc.poll() is None:
             try:
                 peak = max(peak, ps.memory_info().rss)
             except psutil.Error:
                 break
             time.sleep(0.05)
-        out, err = p.communicate()
-        proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    out, err = proc.communicate()
+    if watcher is not None:
+        watcher.join()
+    if tripped:
+        raise OverLimit(f"{' '.join(cmd[:6])} ... killed at {tripped[0] / 1e9:.1f} GB RSS (--rss-limit)")
+    if timed:
+        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err)
+        peak = int(found.group(1)) * 1024 if found else 0
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return {"peak": peak, "wall": time.perf_counter() - started, "stdout": proc.stdout, "stderr": proc.stderr}
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
+    return {"peak": peak, "wall": time.perf_counter() - started, "stdout": out, "stderr": err}
 
 
 def export(folder: Path, out: Path, with_past: bool) -> dict:
@@ -149,6 +200,11 @@ def export(folder: Path, out: Path, with_past: bool) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = run_measured(cmd, env)
     result["cmd"] = " ".join(cmd)
+    # /usr/bin/time -v appends its report to the program's own stderr (which should be empty: no warnings)
+    result["program_stderr"] = [ln for ln in result["stderr"].split("\tCommand being timed")[0].splitlines()
+                                if ln.strip()][:10]
+    user = re.search(r"User time \(seconds\): ([\d.]+)", result["stderr"])
+    result["user_s"] = float(user.group(1)) if user else None
     files = [p for p in out.parent.iterdir() if p.name.startswith(out.name)]
     result["onnx_bytes"] = sum(p.stat().st_size for p in files)
     result["files"] = {p.name: p.stat().st_size for p in sorted(out.parent.iterdir()) if p.is_file()}
@@ -204,14 +260,22 @@ def verify(folder: Path, full: Path | None, past: Path | None, n: int = 12) -> d
     here = str(Path(__file__).resolve())
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if full is not None:
-        r = run_measured([sys.executable, here, "_logits", str(folder), str(full)], env)
-        out["logits"] = {**json.loads(r["stdout"].strip().splitlines()[-1]), "peak_MB": round(r["peak"] / 1e6)}
+        try:
+            r = run_measured([sys.executable, here, "_logits", str(folder), str(full)], env)
+        except OverLimit as e:
+            out["logits"] = {"killed": str(e)}
+        else:
+            out["logits"] = {**json.loads(r["stdout"].strip().splitlines()[-1]), "peak_MB": round(r["peak"] / 1e6)}
     if past is not None:
         out["generate"] = []
         for prompt in PROMPTS:
-            ref = run_measured([sys.executable, here, "_greedy", str(folder), prompt, str(n)], env)
-            want = json.loads(ref["stdout"].strip().splitlines()[-1])["text"]
-            got = run_measured([*ATTNX, "generate", str(past), prompt, "-n", str(n)], env)
+            try:
+                ref = run_measured([sys.executable, here, "_greedy", str(folder), prompt, str(n)], env)
+                want = json.loads(ref["stdout"].strip().splitlines()[-1])["text"]
+                got = run_measured([*ATTNX, "generate", str(past), prompt, "-n", str(n)], env)
+            except OverLimit as e:
+                out["generate"].append({"prompt": prompt, "killed": str(e)})
+                continue
             text = got["stdout"]
             out["generate"].append({"prompt": prompt, "same": text.rstrip("\n") == want or text.strip() == want.strip(),
                                     "attnx": text.strip()[:80], "transformers": want.strip()[:80],
@@ -221,7 +285,10 @@ def verify(folder: Path, full: Path | None, past: Path | None, n: int = 12) -> d
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("_logits", "_greedy"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("_logits", "_greedy", "_build"):
+        if sys.argv[1] == "_build":
+            folder = Path(sys.argv[2])
+            return smollm2_folder(folder) if sys.argv[3] == "real-smollm2" else make_folder(folder, sys.argv[3])
         return _logits_check(*sys.argv[2:4]) if sys.argv[1] == "_logits" else \
             _greedy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -232,8 +299,13 @@ def main() -> None:
     ap.add_argument("--with-past", action="store_true", help="measure the with-past export (decoding)")
     ap.add_argument("--both", action="store_true", help="measure both exports, full-sequence first")
     ap.add_argument("--verify", action="store_true", help="ORT logits vs transformers; attnx generate vs greedy")
+    ap.add_argument("--rss-limit", type=float, metavar="GB",
+                    help="kill any measured process whose RSS passes this (a shared machine's guard)")
+    ap.add_argument("--keep", action="store_true", help="keep every export (default: each is removed once measured)")
     ap.add_argument("--workdir", type=Path, help="keep the folder and exports here (default: a temporary folder)")
     args = ap.parse_args()
+    global RSS_LIMIT
+    RSS_LIMIT = int(args.rss_limit * 1e9) if args.rss_limit else None
     work = args.workdir or Path(tempfile.mkdtemp(prefix="attnx-export-mem-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.folder is not None:
@@ -242,32 +314,35 @@ def main() -> None:
         folder = work / ("SmolLM2-135M-Instruct" if args.smollm2 else f"llama-{args.size}")
         if not (folder / "config.json").is_file():
             log(f"building {folder} ...")
-            started = time.perf_counter()
-            smollm2_folder(folder) if args.smollm2 else make_folder(folder, args.size)
-            log(f"  built in {time.perf_counter() - started:.0f}s")
+            built = run_measured([sys.executable, str(Path(__file__).resolve()), "_build", str(folder),
+                                  "real-smollm2" if args.smollm2 else args.size])
+            log(f"  built in {built['wall']:.0f}s, peak RSS {built['peak'] / 1e9:.1f} GB")
     weights = fp32_bytes(folder)
     kinds = [False, True] if args.both else [args.with_past]
-    paths: dict[bool, Path] = {}
-    rows = []
+    rows, checks = [], {}
     for with_past in kinds:
-        out = work / "exports" / ("with-past" if with_past else "full") / "model.onnx"
+        kind = "with-past" if with_past else "full"
+        out = work / "exports" / kind / "model.onnx"
         shutil.rmtree(out.parent, ignore_errors=True)
         log(f"exporting ({'with past' if with_past else 'full sequence'}) ...")
         r = export(folder, out, with_past)
-        paths[with_past] = out
-        rows.append({"export": "with-past" if with_past else "full", "command": r["cmd"],
-                     "weights_fp32_MB": round(weights / 1e6, 1), "peak_rss_MB": round(r["peak"] / 1e6, 1),
-                     "peak_over_weights": round(r["peak"] / weights, 2), "wall_s": round(r["wall"], 1),
-                     "onnx_MB": round(r["onnx_bytes"] / 1e6, 1),
+        rows.append({"export": kind, "command": r["cmd"], "weights_fp32_MB": round(weights / 1e6, 1),
+                     "peak_rss_MB": round(r["peak"] / 1e6, 1), "peak_over_weights": round(r["peak"] / weights, 2),
+                     "wall_s": round(r["wall"], 1), "user_s": r["user_s"], "onnx_MB": round(r["onnx_bytes"] / 1e6, 1),
                      "onnx_over_weights": round(r["onnx_bytes"] / weights, 4), "files": r["files"],
-                     "stderr_lines": [ln for ln in r["stderr"].splitlines() if ln.strip()][:5]})
+                     "stderr": r["program_stderr"]})
         print(json.dumps(rows[-1], indent=2), flush=True)
-    if args.verify:
-        print(json.dumps(verify(folder, paths.get(False), paths.get(True)), indent=2), flush=True)
-    print(f"\n{'export':10} {'weights':>9} {'peak RSS':>9} {'ratio':>6} {'wall':>7} {'file/weights':>13}")
+        if args.verify:
+            log("verifying ...")
+            checks[kind] = verify(folder, None if with_past else out, out if with_past else None)
+            print(json.dumps(checks[kind], indent=2), flush=True)
+        if not args.keep:  # one export on disk at a time (a 1.5B one is 6 GB)
+            shutil.rmtree(out.parent, ignore_errors=True)
+    print(f"\n{'export':10} {'weights':>9} {'peak RSS':>9} {'ratio':>6} {'wall':>7} {'user':>7} {'file/weights':>13}")
     for r in rows:
         print(f"{r['export']:10} {r['weights_fp32_MB']:>7.0f}MB {r['peak_rss_MB']:>7.0f}MB "
-              f"{r['peak_over_weights']:>6.2f} {r['wall_s']:>6.0f}s {r['onnx_over_weights']:>13.4f}")
+              f"{r['peak_over_weights']:>6.2f} {r['wall_s']:>6.0f}s {r['user_s'] or 0:>6.0f}s "
+              f"{r['onnx_over_weights']:>13.4f}")
 
 
 if __name__ == "__main__":
