@@ -16,9 +16,13 @@ export).
 
 Sizes: ``tiny`` (hidden 256, 4 layers), ``smollm2`` (SmolLM2-135M's shape: hidden 576, 30 layers, 9/3
 heads, FFN 1536, vocab 49152), ``1b`` (hidden 2048, 16 layers) and ``1.5b`` (hidden 2048, 24 layers,
-GQA 32/8, FFN 8192, vocab 49152: 1.56B parameters, 6.2 GB in fp32; the two large folders saved in bfloat16).
+GQA 32/8, FFN 8192, vocab 49152: 1.56B parameters, 6.2 GB in fp32). ``--folder-dtype bfloat16`` saves the
+folder in half the disk, as checkpoints of that size often ship; transformers' loader then keeps the bf16
+shards memory-mapped while it upcasts them, so the export's RSS holds them too (clean page cache: +0.5x the
+fp32 weights, measured on the 1.5B: 5.9 GB anonymous + 2.9 GB file-backed near the end of loading).
 Each export is removed once measured (``--keep`` keeps them). Check ``free -g`` and ``df`` first; on a shared
-machine ``--rss-limit GB`` kills any measured process that passes it.
+machine ``--rss-limit GB`` kills any measured process that passes it. Peak RSS is ``/usr/bin/time``'s
+(file-backed pages included); ``peak_anon_MB`` samples the anonymous part (every 0.2 s).
 """
 
 from __future__ import annotations
@@ -44,9 +48,6 @@ SIZES = {
     "1.5b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8,
                  intermediate_size=8192, vocab_size=49152),
 }
-#: The large sizes are saved in bfloat16, as checkpoints of that size ship (SmolLM2-1.7B, Llama 3.2 1B): half the
-#: disk (a 1.5B folder is 3.1 GB, its fp32 export 6.2 GB); attnx and the transformers reference load them as fp32.
-FOLDER_DTYPE = {"1b": "bfloat16", "1.5b": "bfloat16"}
 ATTNX = [sys.executable, "-m", "attnx.cli.main"]
 PROMPTS = ["The quick brown fox", "attention is all you need because"]
 
@@ -73,9 +74,9 @@ def _tokenizer(vocab: int):
     return tok
 
 
-def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
-    """A random LlamaForCausalLM of ``size`` saved by transformers in :data:`FOLDER_DTYPE` (weights N(0, 0.02),
-    norms 1; filled directly rather than by transformers' slower initialisers)."""
+def make_folder(folder: Path, size: str, seed: int = 0, dtype: str = "float32") -> Path:
+    """A random LlamaForCausalLM of ``size`` saved by transformers in ``dtype`` (weights N(0, 0.02), norms 1;
+    filled directly rather than by transformers' slower initialisers)."""
     import torch
     import transformers
 
@@ -84,7 +85,7 @@ def make_folder(folder: Path, size: str, seed: int = 0) -> Path:
     cfg.architectures = ["LlamaForCausalLM"]
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
-    model = model.to(getattr(torch, FOLDER_DTYPE.get(size, "float32"))).to_empty(device="cpu").eval()
+    model = model.to(getattr(torch, dtype)).to_empty(device="cpu").eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -127,11 +128,12 @@ RSS_LIMIT: int | None = None
 
 
 class OverLimit(RuntimeError):
-    pass
+    """A measured process passed ``--rss-limit`` and was killed."""
 
 
-def _watch(proc: subprocess.Popen, limit: int, tripped: list) -> None:
-    """Kill ``proc`` and its children once their RSS together passes ``limit`` (sampled every 0.2 s)."""
+def _watch(proc: subprocess.Popen, limit: int | None, seen: dict) -> None:
+    """Sample the RSS of ``proc`` and its children every 0.2 s: the peak of its anonymous part (RSS less
+    file-backed and shared pages) in ``seen["anon"]``; past ``limit`` bytes of RSS, kill them (``seen["killed"]``)."""
     import psutil
 
     try:
@@ -141,11 +143,14 @@ def _watch(proc: subprocess.Popen, limit: int, tripped: list) -> None:
     while proc.poll() is None:
         try:
             tree = [root, *root.children(recursive=True)]
-            rss = sum(p.memory_info().rss for p in tree)
+            infos = [p.memory_info() for p in tree]
         except psutil.Error:
-            rss, tree = 0, []
-        if rss > limit:
-            tripped.append(rss)
+            tree, infos = [], []
+        rss = sum(i.rss for i in infos)
+        seen["rss"] = max(seen.get("rss", 0), rss)
+        seen["anon"] = max(seen.get("anon", 0), sum(i.rss - i.shared for i in infos))
+        if limit is not None and rss > limit:
+            seen["killed"] = rss
             for p in reversed(tree):
                 try:
                     p.kill()
@@ -156,41 +161,27 @@ def _watch(proc: subprocess.Popen, limit: int, tripped: list) -> None:
 
 
 def run_measured(cmd: list[str], env=None) -> dict:
-    """Run ``cmd``; its peak RSS (bytes: ``/usr/bin/time -v``'s maximum resident set, else psutil sampling, which
-    misses spikes shorter than its interval) and wall time. Past :data:`RSS_LIMIT` it is killed (:class:`OverLimit`)."""
+    """Run ``cmd``; its peak RSS (bytes: ``/usr/bin/time -v``'s maximum resident set, else sampled), the peak of
+    its anonymous memory (sampled) and wall time. Past :data:`RSS_LIMIT` it is killed (:class:`OverLimit`)."""
     import threading
 
     timed = Path("/usr/bin/time").is_file()
     started = time.perf_counter()
     proc = subprocess.Popen(["/usr/bin/time", "-v", *cmd] if timed else cmd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
-    tripped: list[int] = []
-    watcher = None
-    if RSS_LIMIT is not None:
-        watcher = threading.Thread(target=_watch, args=(proc, RSS_LIMIT, tripped), daemon=True)
-        watcher.start()
-    peak = 0
-    if not timed:
-        import psutil
-
-        ps = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            try:
-                peak = max(peak, ps.memory_info().rss)
-            except psutil.Error:
-                break
-            time.sleep(0.05)
+    seen: dict = {}
+    watcher = threading.Thread(target=_watch, args=(proc, RSS_LIMIT, seen), daemon=True)
+    watcher.start()
     out, err = proc.communicate()
-    if watcher is not None:
-        watcher.join()
-    if tripped:
-        raise OverLimit(f"{' '.join(cmd[:6])} ... killed at {tripped[0] / 1e9:.1f} GB RSS (--rss-limit)")
-    if timed:
-        found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err)
-        peak = int(found.group(1)) * 1024 if found else 0
+    watcher.join()
+    if "killed" in seen:
+        raise OverLimit(f"{' '.join(cmd[:6])} ... killed at {seen['killed'] / 1e9:.1f} GB RSS (--rss-limit)")
+    found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", err) if timed else None
+    peak = int(found.group(1)) * 1024 if found else seen.get("rss", 0)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
-    return {"peak": peak, "wall": time.perf_counter() - started, "stdout": out, "stderr": err}
+    return {"peak": peak, "anon": seen.get("anon", 0), "wall": time.perf_counter() - started, "stdout": out,
+            "stderr": err}
 
 
 def export(folder: Path, out: Path, with_past: bool) -> dict:
@@ -288,7 +279,8 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("_logits", "_greedy", "_build"):
         if sys.argv[1] == "_build":
             folder = Path(sys.argv[2])
-            return smollm2_folder(folder) if sys.argv[3] == "real-smollm2" else make_folder(folder, sys.argv[3])
+            return smollm2_folder(folder) if sys.argv[3] == "real-smollm2" else \
+                make_folder(folder, sys.argv[3], dtype=sys.argv[4])
         return _logits_check(*sys.argv[2:4]) if sys.argv[1] == "_logits" else \
             _greedy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -301,6 +293,8 @@ def main() -> None:
     ap.add_argument("--verify", action="store_true", help="ORT logits vs transformers; attnx generate vs greedy")
     ap.add_argument("--rss-limit", type=float, metavar="GB",
                     help="kill any measured process whose RSS passes this (a shared machine's guard)")
+    ap.add_argument("--folder-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the built folder's dtype (bfloat16: half the disk; attnx loads either as fp32)")
     ap.add_argument("--keep", action="store_true", help="keep every export (default: each is removed once measured)")
     ap.add_argument("--workdir", type=Path, help="keep the folder and exports here (default: a temporary folder)")
     args = ap.parse_args()
@@ -311,11 +305,11 @@ def main() -> None:
     if args.folder is not None:
         folder = args.folder
     else:
-        folder = work / ("SmolLM2-135M-Instruct" if args.smollm2 else f"llama-{args.size}")
+        folder = work / ("SmolLM2-135M-Instruct" if args.smollm2 else f"llama-{args.size}-{args.folder_dtype}")
         if not (folder / "config.json").is_file():
             log(f"building {folder} ...")
             built = run_measured([sys.executable, str(Path(__file__).resolve()), "_build", str(folder),
-                                  "real-smollm2" if args.smollm2 else args.size])
+                                  "real-smollm2" if args.smollm2 else args.size, args.folder_dtype])
             log(f"  built in {built['wall']:.0f}s, peak RSS {built['peak'] / 1e9:.1f} GB")
     weights = fp32_bytes(folder)
     kinds = [False, True] if args.both else [args.with_past]
@@ -328,6 +322,7 @@ def main() -> None:
         r = export(folder, out, with_past)
         rows.append({"export": kind, "command": r["cmd"], "weights_fp32_MB": round(weights / 1e6, 1),
                      "peak_rss_MB": round(r["peak"] / 1e6, 1), "peak_over_weights": round(r["peak"] / weights, 2),
+                     "peak_anon_MB": round(r["anon"] / 1e6, 1),
                      "wall_s": round(r["wall"], 1), "user_s": r["user_s"], "onnx_MB": round(r["onnx_bytes"] / 1e6, 1),
                      "onnx_over_weights": round(r["onnx_bytes"] / weights, 4), "files": r["files"],
                      "stderr": r["program_stderr"]})
