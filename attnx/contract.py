@@ -180,10 +180,13 @@ class ModelInfo:
     #: decoders exported with their KV cache: each cached tensor's input/output names, layer and grown axis,
     #: and what generation needs (attnx.export.with_past.cache_metadata)
     cache: dict | None = None
+    #: pretrained exports: the source folder the reference's pretrained weights are read from (path, and each
+    #: weight file's size and sha256); ``weights`` then holds only what the folder lacks (the placed variant's)
+    reference: dict | None = None
     schema: int = SCHEMA_VERSION
     extra: dict = field(default_factory=dict)
 
-    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer", "quantization", "cache")
+    _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer", "quantization", "cache", "reference")
 
     # ---- lookups ------------------------------------------------------------------------
     def input(self, name: str) -> TensorEntry:

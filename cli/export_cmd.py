@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
-from attnx.cli._common import UserError, console, guarded, workdir
+from attnx.cli._common import UserError, console, err_console, guarded, workdir
 
 
 def parse_sets(variant: str, sets: list[str]) -> dict:
@@ -60,11 +62,13 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def export_outputs(output: Path) -> list[Path]:
-    """What exporting to ``output`` writes or replaces: the model (and its temporary), external data, the
-    weights beside it (and their temporary), and a text model's tokenizer folder (and its staging)."""
-    return [output, output.with_name(output.name + ".tmp"), output.with_name(output.name + ".data"),
-            output.with_suffix(".safetensors"), output.with_name(output.stem + ".safetensors.tmp"),
-            output.with_name(output.stem + ".tokenizer"), output.with_name(f".{output.stem}.tokenizer.tmp")]
+    """What exporting to ``output`` writes or replaces: the model, its external data, the weights beside it,
+    a text model's tokenizer folder, and the staging folder they are written in first."""
+    from attnx.export.exporter import export_names
+    from attnx.export.staging import MARK
+
+    return [output.with_name(n) for n in sorted(export_names(output))] + \
+        [output.with_name(f".{output.name}{MARK}{os.getpid()}")]
 
 
 def refuse_overwriting_inputs(output: Path, checkpoint: Path | None, pretrained: Path | None) -> None:
@@ -79,6 +83,49 @@ def refuse_overwriting_inputs(output: Path, checkpoint: Path | None, pretrained:
             if (target.is_relative_to(folder) and target.exists()) or folder.is_relative_to(target):
                 raise UserError(f"-o {output} would overwrite {written} in the model folder it exports from: "
                                 "choose another output name or folder")
+
+
+#: What each export step shows.
+STEP_LABELS = {"load": "loading the weights", "trace": "tracing (torch.export)", "translate": "translating to ONNX",
+               "optimise": "optimising the graph", "check": "checking the graph", "save": "writing",
+               "int8": "quantizing to int8", "commit": "making the files visible"}
+
+
+@contextlib.contextmanager
+def export_progress(label: str):
+    """``step(name, done=None, total=None)`` for the exporter: each step on its own line with its time, and a
+    bar where it counts (bytes written); drawn on a terminal only (nothing in logs and pipes)."""
+    import time
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    class Counted:  # a column shown only for a step that counts
+        def __init__(self, column):
+            self.column = column
+
+        def __getattr__(self, name):
+            return getattr(self.column, name)
+
+        def __call__(self, task):
+            return self.column(task) if task.total is not None else ""
+
+    shown = console.is_terminal and err_console.is_terminal
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), Counted(BarColumn()), Counted(DownloadColumn()),
+                  TimeElapsedColumn(), console=console, transient=True, disable=not shown) as progress:
+        current = {"name": None, "task": None, "started": time.monotonic()}
+
+        def step(name: str, done: int | None = None, total: int | None = None) -> None:
+            if name != current["name"]:  # a new step: the last one's time stays on screen
+                if current["task"] is not None:
+                    progress.remove_task(current["task"])
+                if current["task"] is not None and shown:
+                    progress.console.print(f"  [dim]{STEP_LABELS.get(current['name'], current['name'])}: "
+                                           f"{time.monotonic() - current['started']:.1f}s[/dim]", highlight=False)
+                current.update(name=name, started=time.monotonic(),
+                               task=progress.add_task(f"export {label}: {STEP_LABELS.get(name, name)}", total=total))
+            progress.update(current["task"], total=total, completed=done or 0)
+
+        yield step
 
 
 def register(app: typer.Typer) -> None:
@@ -124,6 +171,9 @@ def register(app: typer.Typer) -> None:
                                                         "attentions.{i} [batch, heads, seq, seq]: all | 0,3,5."),
         head_mask: bool = typer.Option(False, "--head-mask", help="Add an input head_mask [layers, heads] "
                                        "(1 = keep, 0 = ablate a head)."),
+        copy_weights: bool = typer.Option(False, "--copy-weights", help="With --from-pretrained: also store the "
+                                          "pretrained weights beside the export, so `attnx check` needs no source "
+                                          "folder (default: check reads them from the folder, its sha256 recorded)."),
         with_past: bool = typer.Option(False, "--with-past", help="With --from-pretrained (a causal LM): the "
                                        "decoder that generates, KV cache in (past_key_values.*) and out (present.*), "
                                        "one file for prefill and decode, in its own folder with genai_config.json "
@@ -131,10 +181,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export a variant to ONNX (custom ops in domain attnx): attnx's own encoder stack, or a real
         pretrained model with the variant placed in it (--from-pretrained)."""
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
         from attnx.contract import DEFAULT_PROFILES, parse_profile
-        from attnx.export.exporter import LOWERINGS, STEPS, default_path, export_variant
+        from attnx.export.exporter import LOWERINGS, default_path, export_variant
 
         if lowering not in LOWERINGS:
             raise UserError(f"--lowering {lowering!r}: valid: {', '.join(LOWERINGS)}")
@@ -146,6 +194,13 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--int8-weight-bits {int8_weight_bits}: valid: 7 (every CPU) or 8 (VNNI, AMX, ARM)")
         if variant is None and pretrained is None:
             raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
+        if variant is not None and not variant.strip():
+            from attnx.models.spec import variant_names
+
+            raise UserError(f"--variant is empty; valid: {', '.join(variant_names())}")
+        if copy_weights and pretrained is None:
+            raise UserError("--copy-weights stores a pretrained folder's weights beside the export: add "
+                            "--from-pretrained (attnx's own encoders always carry their weights)")
         if task is not None and pretrained is None:
             raise UserError("--task chooses the head of a --from-pretrained model: add --from-pretrained")
         if with_past and pretrained is None:
@@ -161,7 +216,7 @@ def register(app: typer.Typer) -> None:
             folder = read_folder(pretrained)
             if variant is None and folder.placement is not None:
                 variant = folder.placement["variant"]
-        variant = variant or "mha"
+        variant = "mha" if variant is None else variant
         if output is not None and output.suffix.lower() != ".onnx":
             raise UserError(f"-o {output}: the output must be a .onnx file (the weights and tokenizer are written "
                             "beside it)")
@@ -186,13 +241,7 @@ def register(app: typer.Typer) -> None:
             planned = output = planned.with_name(f"{planned.stem}-int8.onnx")
         refuse_overwriting_inputs(planned, checkpoint, pretrained)
         label = f"{pretrained.name} + {variant}" if pretrained is not None else variant
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                      transient=False, disable=not console.is_terminal) as progress:  # no spinner line in logs
-            task = progress.add_task(f"export {label}", total=len(STEPS))
-
-            def step(name: str) -> None:
-                progress.update(task, description=f"export {label}: {name}", completed=STEPS.index(name))
-
+        with export_progress(label) as step:
             if pretrained is not None:
                 from attnx.export.pretrained import export_pretrained
                 from attnx.models.spec import get_spec
@@ -210,7 +259,8 @@ def register(app: typer.Typer) -> None:
                                            checkpoint=checkpoint, task=task, lowering=lowering,
                                            fp16=fp16, profiles=profiles, folder_out=workdir(), progress=step,
                                            attention_outputs=attention_outputs, head_mask=head_mask,
-                                           fuse=not no_fuse, with_past=with_past)
+                                           fuse=not no_fuse, with_past=with_past, copy_weights=copy_weights,
+                                           int8_weight_bits=(int8_weight_bits or 7) if int8 else None)
             else:
                 if layers is not None and layers < 1:
                     raise UserError(f"--layers must be >= 1, got {layers}")
@@ -219,15 +269,7 @@ def register(app: typer.Typer) -> None:
                 result = export_variant(variant, path, overrides=overrides, n_layers=layers, lowering=lowering,
                                         fp16=fp16, checkpoint=checkpoint, opset=opset, seed=seed, profiles=profiles,
                                         progress=step, attention_outputs=attention_outputs, head_mask=head_mask,
-                                        fuse=not no_fuse)
-            if int8:
-                from attnx.contract import ModelInfo
-                from attnx.export.quantize import quantize_export
-
-                progress.update(task, description=f"export {label}: int8")
-                quantize_export(result.path, weight_bits=int8_weight_bits or 7)  # removes the file if it fails
-                result.info = ModelInfo.read(result.path)  # precision and how it was quantized
-            progress.update(task, description=f"export {label}: done", completed=len(STEPS))
+                                        fuse=not no_fuse, int8_weight_bits=(int8_weight_bits or 7) if int8 else None)
         info = result.info
         for note in result.notes:
             console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
@@ -237,8 +279,14 @@ def register(app: typer.Typer) -> None:
             if saturates_8bit_weights():  # the file is fine; this CPU is the wrong one to serve it on
                 console.print(f"[yellow]note:[/yellow] this CPU's integer dot product is {int8_dot_product()}: "
                               "serve this file on a CPU with VNNI, AMX or ARM dot products", highlight=False)
+        if info.reference:
+            console.print(f"reference for `attnx check`: the pretrained weights of {info.reference['source']} "
+                          f"(sha256 recorded; --copy-weights stores them beside the export instead)", highlight=False)
+        size = sum(p.stat().st_size for p in (result.path, result.path.with_name(result.path.name + ".data"))
+                   if p.is_file())
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "
-                      f"{sum(p.numel() for p in result.model.parameters()):,} parameters)", highlight=False)
+                      f"{sum(p.numel() for p in result.model.parameters()):,} parameters, {size / 1e6:,.1f} MB)",
+                      highlight=False)
         typer.echo(str(result.path))
 
     @app.command("inspect")

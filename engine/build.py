@@ -15,6 +15,7 @@ the plugins' build-time methods; timing caches are no-ops there (``timing_cache`
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import logging
 import os
 import re
@@ -24,7 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import attnx
-from attnx.contract import SIDECAR_FORMAT, ModelInfo, default_role, graph_io, merge_profiles, sha256_file, write_sidecar
+from attnx.contract import (SIDECAR_FORMAT, ModelInfo, default_role, graph_io, merge_profiles, sha256_file,
+                            sidecar_path, write_sidecar)
 from attnx.engine.discovery import backend
 from attnx.engine.errors import BuildError, EngineBuildError, PluginLoadError, unique
 from attnx.engine.fp16 import ensure_fp16, precision_of, read_model_info
@@ -178,6 +180,20 @@ def _plugin_record(plugins, needed: int, console, build_plugins: bool, target: s
                  "creators": [f"{ns}::{n} v{v}" for n, v, ns in loaded.creators]}
 
 
+def write_engine(engine_path: Path, plan, sidecar: Mapping[str, Any]) -> None:
+    """``plan`` (the serialised engine) at ``engine_path`` with its sidecar: staged beside them and made
+    visible together, the engine last (:mod:`attnx.export.staging`); a failed or killed write leaves the
+    previous engine and sidecar, and no partial file under either name."""
+    from attnx.export.staging import Staging
+
+    with Staging(engine_path, owned={engine_path.name, sidecar_path(engine_path).name}) as stage:
+        staged = stage.path(engine_path.name)
+        with open(staged, "wb") as f:
+            f.write(memoryview(plan))
+        write_sidecar(staged, sidecar)
+        stage.commit()
+
+
 def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None, *, fp16: bool = False,
           target: str | None = None, shapes: Mapping[str, Sequence[int]] | None = None,
           timing_cache: str | os.PathLike | None = None, workspace: int | str | None = None,
@@ -195,6 +211,13 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     started = time.monotonic()
     src = Path(onnx_path)
     info, proto = read_model_info(src)  # a corrupt file fails here, before TensorRT sees it
+    from attnx.export.staging import check_room, prepare_dir
+
+    engine_path = Path(output) if output else default_engine_path(src)
+    # An unwritable destination, or one without room for an engine about the model's size, before the build.
+    data = src.with_name(src.name + ".data")
+    check_room(prepare_dir(engine_path.parent), src.stat().st_size + (data.stat().st_size if data.is_file() else 0),
+               "the engine")
     trt_info = backend()  # TensorRTUnavailable names the extra to install
 
     step("fp16")
@@ -236,16 +259,11 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     inputs, outputs = _bindings(info, proto)
 
     step("write")
-    engine_path = Path(output) if output else default_engine_path(src)
-    engine_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = engine_path.with_name(engine_path.name + ".tmp")
-    tmp.write_bytes(plan)
-    os.replace(tmp, engine_path)
     sidecar: dict[str, Any] = {
         "format": SIDECAR_FORMAT,
         "engine": engine_path.name,
         "engine_bytes": len(plan),
-        "engine_sha256": sha256_file(engine_path),
+        "engine_sha256": hashlib.sha256(plan).hexdigest(),
         "backend": trt_info.name,
         "backend_version": trt_info.version,
         "backend_description": trt_info.describe(),
@@ -274,7 +292,8 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
         "built_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "build_seconds": round(build_seconds, 3),
     }
-    side = write_sidecar(engine_path, sidecar)
-    return EngineBuild(engine_path=engine_path, sidecar_path=side, sidecar=sidecar, onnx_path=src,
+    write_engine(engine_path, plan, sidecar)
+    return EngineBuild(engine_path=engine_path, sidecar_path=sidecar_path(engine_path), sidecar=sidecar, onnx_path=src,
                        converted_fp16=converted, layers=seen["layers"], plugin_layers=n_plugin,
                        custom_nodes=n_custom, inlined_custom_nodes=inlined, seconds=time.monotonic() - started)
+

@@ -45,17 +45,18 @@ def _same_fp16(dst: Path, src: Path, info: ModelInfo | None, source_sha: str) ->
         return True
     if info is None or not info.weights or not existing.weights:
         return False
-    if (existing.variant, existing.config, existing.lowering, existing.profiles) != \
-            (info.variant, info.config, info.lowering, info.profiles):
+    if (existing.variant, existing.config, existing.lowering, existing.profiles, existing.reference) != \
+            (info.variant, info.config, info.lowering, info.profiles, info.reference):
         return False
     a, b = src.parent / info.weights, dst.parent / existing.weights
     return a.is_file() and b.is_file() and sha256_file(a) == sha256_file(b)
 
 
 def _fp16_info(info: ModelInfo, converted, src: Path, dst: Path, source_sha: str) -> ModelInfo:
-    """The metadata of the converted file: precision, the file's new I/O dtypes, the source it came from."""
-    ins, outs = graph_io(converted)
-    dtypes = {name: dtype for name, dtype, _dims in ins + outs}
+    """The metadata of the converted file (an onnx-ir model): precision, its new I/O dtypes, its source."""
+    from attnx.export.graph import io_entries
+
+    dtypes = {name: dtype for name, dtype, _dims in io_entries([*converted.graph.inputs, *converted.graph.outputs])}
     weights = info.weights
     # The weights file (safetensors, fp32) stays the reference: name it relative to the new file.
     if weights and dst.parent.resolve() != src.parent.resolve():
@@ -72,7 +73,8 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     ``(<stem>-fp16.onnx, True)`` converted with :func:`attnx.export.to_fp16` and its metadata
     updated. An existing conversion of the same source (sha256 recorded in
     ``attnx.fp16_source_sha256``) is reused."""
-    from attnx.export.exporter import save_model
+    from attnx.export import onnx_file
+    from attnx.export.exporter import save_model, write_info
     from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 
     src = Path(path)
@@ -84,9 +86,9 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     if dst.is_file() and _same_fp16(dst, src, info, source_sha):
         return dst, False
     keep = FP32_OPS_WITH_CACHE if info is not None and info.cache else FP32_OPS
-    converted = to_fp16(load_onnx(src, with_data=True), keep)
+    converted = to_fp16(onnx_file.load(src), keep)  # the weights converted one at a time as they are written
     if info is not None:
-        _fp16_info(info, converted, src, dst, source_sha).write(converted)
+        write_info(converted, _fp16_info(info, converted, src, dst, source_sha))
     save_model(converted, dst)
     return dst, True
 

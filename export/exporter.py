@@ -2,9 +2,13 @@
 
 Steps (each reported to ``progress``): trace (``torch.export`` with dynamic ``batch``/``seq``),
 translate (the dynamo ONNX exporter at opset 23; each variant's torch custom ops become nodes of
-its ONNX custom ops), optimise (function bodies attached, constant folding, dead-node removal, the
-contract's dim names, fp16), check (full ``onnx.checker``, strict shape inference), save (external
-data past 2 GB, the weights beside the file as safetensors for ``attnx check``).
+its ONNX custom ops), optimise (:mod:`attnx.export.graph`: constant folding, function bodies, the
+fusions, the contract's dim names, fp16), check (full ``onnx.checker``, strict shape inference),
+save (:mod:`attnx.export.onnx_file`: one file, or external data past ~1.8 GB; the weights for
+``attnx check`` beside it). Nothing copies the weights: the graph's tensors are views of the
+PyTorch parameters until each is written, so an export peaks near the model's own size.
+
+Every file is written under a staging folder and made visible as a whole (:mod:`attnx.export.staging`).
 
 Lowerings: ``plugin`` traces the ``plugin`` attention path, so custom ops appear as nodes with
 function bodies (TensorRT maps them to plugins); ``rewrite`` traces the ``fast`` path and inlines
@@ -17,34 +21,42 @@ pretrained hosts that place a variant in a real model.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
-import numpy as np
 import onnx
 import torch
 
 import attnx
-from attnx.contract import DEFAULT_PROFILES, IR_VERSION, MIN_OPSET, ONNX_OPSET, ModelInfo, TensorEntry, check_profiles
+from attnx.contract import (DEFAULT_PROFILES, IR_VERSION, MIN_OPSET, ONNX_OPSET, PREFIX, ModelInfo, TensorEntry,
+                            check_profiles)
 from attnx.export import fuse as fusions
-from attnx.export import ops
+from attnx.export import graph as passes
+from attnx.export import onnx_file, ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
+from attnx.export.staging import Staging, check_room
 from attnx.models.attention import attention_path
 from attnx.models.build import build_encoder
 from attnx.models.signature import example_tensor
 from attnx.models.spec import get_spec
 
 LOWERINGS = ("plugin", "rewrite")
-STEPS = ("trace", "translate", "optimise", "check", "save")
+STEPS = ("load", "trace", "translate", "optimise", "check", "save", "commit")
 #: The small default configuration `attnx export --variant X` uses.
 DEFAULT_OPTIONS = {"d_model": 256, "n_heads": 4, "n_layers": 2}
-_EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's limit is 2 GiB; leave headroom for the graph
+
+
+class Progress(Protocol):
+    """``progress(step)`` when a step starts; ``progress(step, done, total)`` as a counted step advances
+    (``save``: bytes written)."""
+
+    def __call__(self, step: str, done: int | None = None, total: int | None = None) -> None: ...
 
 
 @dataclass
@@ -118,7 +130,7 @@ def _quiet_torch_exporter():
             lg.setLevel(level)
 
 
-# --------------------------------------------------------------------------- graph post-processing
+# --------------------------------------------------------------------------- the graph
 
 def _trace(wrapper, args, dynamic_shapes, inputs, profiles: dict):
     """``torch.export`` with dynamic batch and seq. A model whose code only holds from some length on
@@ -150,167 +162,11 @@ def _trace(wrapper, args, dynamic_shapes, inputs, profiles: dict):
     return program, profiles
 
 
-def _name_dynamic_dims(model: onnx.ModelProto, specs: dict[str, tuple]) -> None:
-    """Give graph inputs/outputs the dim names of the contract (``batch``, ``seq``)."""
-    for vi in list(model.graph.input) + list(model.graph.output):
-        shape = specs.get(vi.name)
-        if shape is None:
-            continue
-        for d, want in zip(vi.type.tensor_type.shape.dim, shape):
-            if isinstance(want, str):
-                d.ClearField("dim_value")
-                d.dim_param = want
-            else:
-                d.ClearField("dim_param")
-                d.dim_value = want
-
-
-def _optimise(model: onnx.ModelProto, fuse: bool = True) -> onnx.ModelProto:
-    """Fold constants and drop dead nodes (graphsurgeon), then the exact fusions of
-    :mod:`attnx.export.fuse`, keeping the custom-op functions."""
-    import onnx_graphsurgeon as gs
-
-    functions = list(model.functions)
-    graph = gs.import_onnx(model)
-    _batch_rotary_caches(graph)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph.fold_constants(error_ok=True).cleanup(remove_unused_graph_inputs=False).toposort()
-        if fuse:
-            graph = gs.import_onnx(_with_shapes(gs.export_onnx(graph), functions))  # patterns read shapes
-            fusions.fuse(graph)
-    out = gs.export_onnx(graph)
-    out.ir_version = model.ir_version
-    del out.functions[:]
-    out.functions.extend(functions)
-    out.metadata_props.extend(model.metadata_props)
-    return out
-
-
-def _batch_rotary_caches(graph) -> int:
-    """ONNX ``RotaryEmbedding`` without ``position_ids`` wants cos/sin caches ``[B, L, D/2]``; the exporter's
-    fusion of an encoder's RoPE (positions ``[1, L]``, e.g. ModernBERT) feeds ``[1, L, D/2]``, which ONNX
-    Runtime refuses for B > 1. Expand them to the batch of the input (exact: the rows are the same)."""
-    import onnx_graphsurgeon as gs
-
-    fixed = 0
-    for node in list(graph.nodes):
-        if node.op != "RotaryEmbedding" or node.domain not in (None, "", "ai.onnx") or len(node.inputs) > 3:
-            continue
-        x = node.inputs[0]
-        batch = gs.Variable(f"{node.name}__batch", dtype=np.int64)
-        graph.nodes.append(gs.Node("Shape", inputs=[x], outputs=[batch], attrs={"start": 0, "end": 1}))
-        for slot in (1, 2):
-            cache = node.inputs[slot]
-            rest = gs.Variable(f"{node.name}__rest{slot}", dtype=np.int64)
-            shape = gs.Variable(f"{node.name}__shape{slot}", dtype=np.int64)
-            expanded = gs.Variable(f"{node.name}__cache{slot}", dtype=cache.dtype)
-            graph.nodes += [gs.Node("Shape", inputs=[cache], outputs=[rest], attrs={"start": 1}),
-                            gs.Node("Concat", inputs=[batch, rest], outputs=[shape], attrs={"axis": 0}),
-                            gs.Node("Expand", inputs=[cache, shape], outputs=[expanded])]
-            node.inputs[slot] = expanded
-        fixed += 1
-    if fixed:
-        graph.toposort()
-    return fixed
-
-
-def _with_shapes(model: onnx.ModelProto, functions) -> onnx.ModelProto:
-    """Shape-inferred copy, the custom ops' functions attached so their outputs get shapes (the model
-    itself when it is too large to infer in memory: shape patterns then do not match)."""
-    if _initializer_bytes(model) > _EXTERNAL_DATA_BYTES:
-        return model
-    del model.functions[:]
-    model.functions.extend(functions)
-    return onnx.shape_inference.infer_shapes(model, data_prop=True)
-
-
-def _check(model: onnx.ModelProto, path_for_large: Path | None = None) -> None:
-    """Full checker and strict shape inference; every graph output must get a shape."""
-    if path_for_large is not None:
-        onnx.checker.check_model(str(path_for_large), full_check=True)
-        return
-    onnx.checker.check_model(model, full_check=True)
-    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    for out in inferred.graph.output:
-        if not out.type.tensor_type.HasField("shape"):
-            raise RuntimeError(f"shape inference gave output {out.name!r} no shape")
-
-
-def _initializer_bytes(model: onnx.ModelProto) -> int:
-    return sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-               for t in model.graph.initializer)
-
-
-def save_model(model: onnx.ModelProto, path: Path) -> bool:
-    """Save (atomically); models past ~2 GB keep their weights in ``<name>.data`` beside the file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    external = _initializer_bytes(model) > _EXTERNAL_DATA_BYTES
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        if external:
-            onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=path.name + ".data", size_threshold=1024)
-        else:
-            onnx.save_model(model, str(tmp))
-        os.replace(tmp, path)
-    except BaseException:  # a failed save (disk full, interrupted) leaves no half-written .tmp behind
-        tmp.unlink(missing_ok=True)
-        raise
-    return external
-
-
-def _entries(values, specs: dict) -> list[TensorEntry]:
-    """Metadata entries of graph inputs/outputs: dtype and dims from the file, role/range/doc from the specs."""
-    out = []
-    for vi in values:
-        t = vi.type.tensor_type
-        spec = specs[vi.name]
-        out.append(TensorEntry(name=vi.name, role=spec.role, dtype=onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name,
-                               shape=tuple(d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim),
-                               range=getattr(spec, "range", None), doc=spec.doc,
-                               default=getattr(spec, "default", None)))
-    return out
-
-
-# --------------------------------------------------------------------------- public entry points
-
-def default_path(variant: str, lowering: str = "plugin", fp16: bool = False, folder: str | Path = "attnx-out") -> Path:
-    suffix = ("" if lowering == "plugin" else f"-{lowering}") + ("-fp16" if fp16 else "")
-    return Path(folder) / f"{variant}{suffix}.onnx"
-
-
-def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: bool = False,
-                   opset: int = ONNX_OPSET, profiles: dict | None = None, save_weights: bool = True,
-                   progress: Callable[[str], None] | None = None, tokenizer: dict | None = None,
-                   attention_outputs=None, head_mask: bool = False, fuse: bool = True) -> ExportResult:
-    """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``.
-
-    ``fuse``: the exact standard-ONNX fusions of :mod:`attnx.export.fuse` (packed Q/K/V, 3-D
-    attention); off only to compare against the unfused graph.
-
-    ``tokenizer``: the text metadata of a model whose tokenizer files travel beside it.
-    ``attention_outputs`` (``"all"`` or layer indices) adds outputs ``attentions.{i}``, ``head_mask``
-    an input ``head_mask [n_layers, heads]`` (:mod:`attnx.export.attention_outputs`)."""
-    if lowering not in LOWERINGS:
-        raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
-    max_opset = onnx.defs.onnx_opset_version()
-    if not MIN_OPSET <= opset <= max_opset:
-        raise ValueError(f"opset must be in [{MIN_OPSET}, {max_opset}], got {opset}")
-    profiles = check_profiles(profiles or DEFAULT_PROFILES)
-    path = Path(path)
-    if path.suffix.lower() != ".onnx":
-        raise ValueError(f"the output must be a .onnx file, got {path.name}")
-    step = progress or (lambda name: None)
-    model = model.eval()
-    reference_model = model
-    if attention_outputs is not None or head_mask:
-        layers = [] if attention_outputs is None else parse_layers(attention_outputs, len(model.blocks))
-        model = WithAttentionOutputs(model, layers, head_mask)
-    ops.register_schemas()
-    inputs, outputs = model.input_specs(), model.output_specs()
+def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: dict, fuse: bool, fp16: bool,
+                step: Progress):
+    """``(onnx-ir model, profiles)``: ``model`` traced, translated and optimised; its tensors are views of
+    ``model``'s parameters or computed from them when written (:mod:`attnx.export.graph`)."""
     input_names, output_names = [s.name for s in inputs], [s.name for s in outputs]
-
     step("trace")
     # A model with more dynamic dims than batch/seq (a decoder's KV cache) gives its own examples and dims.
     feeds = model.example_inputs() if hasattr(model, "example_inputs") else example_inputs(model)
@@ -327,48 +183,173 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
         step("translate")
         onnx_program = torch.onnx.export(program, args, dynamo=True, opset_version=opset, input_names=input_names,
                                          output_names=output_names, custom_translation_table=_translations(model),
-                                         optimize=True, verbose=False)
-    proto = onnx_program.model_proto
+                                         optimize=False, verbose=False)
+    graph = onnx_program.model
+    del onnx_program, program
+    gc.collect()  # the traced programs (FX graphs hold reference cycles): memory for the steps that follow
 
     step("optimise")
-    proto = ops.attach_functions(proto)
+    passes.fold_constants(graph)
+    passes.attach_functions(graph)
     if lowering == "rewrite":
-        proto = ops.inline_functions(proto)
-    proto = _optimise(proto, fuse=fuse)
-    _name_dynamic_dims(proto, {s.name: s.shape for s in [*inputs, *outputs]})
+        passes.inline_functions(graph)
+        passes.fold_constants(graph, inline=False)
+    passes.batch_rotary_caches(graph)
+    if fuse:
+        fusions.fuse(graph)
+    passes.name_dims(graph, {s.name: s.shape for s in [*inputs, *outputs]})
     if fp16:
-        proto = to_fp16(proto, FP32_OPS_WITH_CACHE if hasattr(model, "cache_metadata") else FP32_OPS)
-    proto.ir_version = min(proto.ir_version, IR_VERSION) if proto.ir_version else IR_VERSION
-    proto.producer_name, proto.producer_version = "attnx", attnx.__version__
+        to_fp16(graph, FP32_OPS_WITH_CACHE if hasattr(model, "cache_metadata") else FP32_OPS)
+    passes.remove_dead(graph)
+    passes.strip_metadata(graph)
+    graph.ir_version = min(graph.ir_version, IR_VERSION) if graph.ir_version else IR_VERSION
+    graph.producer_name, graph.producer_version = "attnx", attnx.__version__
+    return graph, profiles
+
+
+def write_info(model, info: ModelInfo) -> None:
+    """``info`` as the ``attnx.*`` metadata of an onnx-ir model (other keys kept)."""
+    props = model.metadata_props
+    for key in [k for k in props if k.startswith(PREFIX)]:
+        del props[key]
+    props.update(info.to_props())
+
+
+def save_model(model, path: Path, progress: Callable[[int, int], None] | None = None) -> list[Path]:
+    """Write an ``onnx.ModelProto`` or onnx-ir model to ``path`` as a whole (staged, then renamed; a
+    previous ``<name>.data`` replaced or removed), its weights streamed (:func:`attnx.export.onnx_file.save`)."""
+    path = Path(path)
+    if isinstance(model, onnx.ModelProto):
+        model = onnx_file.from_proto(model)
+    with Staging(path, owned={path.name + ".data"}) as stage:
+        written = onnx_file.save(model, stage.path(path.name), progress=progress)
+        stage.commit()
+    return [path.with_name(p.name) for p in written]
+
+
+def _entries(values, specs: dict) -> list[TensorEntry]:
+    """Metadata entries of graph inputs/outputs: dtype and dims from the graph, role/range/doc from the specs."""
+    out = []
+    for name, dtype, shape in passes.io_entries(values):
+        spec = specs[name]
+        out.append(TensorEntry(name=name, role=spec.role, dtype=dtype, shape=shape, range=getattr(spec, "range", None),
+                               doc=spec.doc, default=getattr(spec, "default", None)))
+    return out
+
+
+def export_names(path: Path) -> set[str]:
+    """The final names an export to ``path`` writes or replaces beside it."""
+    return {path.name, path.name + ".data", path.with_suffix(".safetensors").name, f"{path.stem}.tokenizer"}
+
+
+# --------------------------------------------------------------------------- public entry points
+
+def default_path(variant: str, lowering: str = "plugin", fp16: bool = False, folder: str | Path = "attnx-out") -> Path:
+    suffix = ("" if lowering == "plugin" else f"-{lowering}") + ("-fp16" if fp16 else "")
+    return Path(folder) / f"{variant}{suffix}.onnx"
+
+
+def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: bool = False,
+                   opset: int = ONNX_OPSET, profiles: dict | None = None, save_weights: bool = True,
+                   progress: Progress | None = None, tokenizer: dict | None = None,
+                   attention_outputs=None, head_mask: bool = False, fuse: bool = True,
+                   staging: Staging | None = None, weight_names=None, reference: dict | None = None,
+                   int8_weight_bits: int | None = None) -> ExportResult:
+    """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``.
+
+    ``fuse``: the exact standard-ONNX fusions of :mod:`attnx.export.fuse` (packed Q/K/V, 3-D
+    attention); off only to compare against the unfused graph.
+
+    ``tokenizer``: the text metadata of a model whose tokenizer files travel beside it.
+    ``attention_outputs`` (``"all"`` or layer indices) adds outputs ``attentions.{i}``, ``head_mask``
+    an input ``head_mask [n_layers, heads]`` (:mod:`attnx.export.attention_outputs`).
+
+    Files: ``path`` (and ``<name>.data`` past ~1.8 GB of weights), ``<stem>.safetensors`` (the weights
+    ``attnx check`` rebuilds the reference from: those named by ``weight_names``, default all; with
+    ``reference`` the rest come from the source folder it names). ``staging``: write into that
+    staging (the caller adds files and commits); default: staged and committed here.
+    ``int8_weight_bits``: quantize (:func:`attnx.export.quantize.quantize_file`) before the files appear."""
+    if lowering not in LOWERINGS:
+        raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
+    max_opset = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= max_opset:
+        raise ValueError(f"opset must be in [{MIN_OPSET}, {max_opset}], got {opset}")
+    profiles = check_profiles(profiles or DEFAULT_PROFILES)
+    path = Path(path)
+    if path.suffix.lower() != ".onnx":
+        raise ValueError(f"the output must be a .onnx file, got {path.name}")
+    kwargs = dict(lowering=lowering, fp16=fp16, opset=opset, profiles=profiles, save_weights=save_weights,
+                  progress=progress, tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
+                  fuse=fuse, weight_names=weight_names, reference=reference, int8_weight_bits=int8_weight_bits)
+    if staging is None:
+        with Staging(path, owned=export_names(path)) as stage:
+            check_room(path.parent, estimate_bytes(model, fp16, int8_weight_bits))
+            result = export_encoder(model, path, staging=stage, **kwargs)
+            (progress or (lambda *a: None))("commit")
+            stage.commit()
+        return result
+    step = progress or (lambda name, done=None, total=None: None)
+    model = model.eval()
+    reference_model = model
+    if attention_outputs is not None or head_mask:
+        layers = [] if attention_outputs is None else parse_layers(attention_outputs, len(model.blocks))
+        model = WithAttentionOutputs(model, layers, head_mask)
+    ops.register_schemas()
+    inputs, outputs = model.input_specs(), model.output_specs()
+    graph, profiles = build_graph(model, inputs, outputs, lowering=lowering, opset=opset, profiles=profiles, fuse=fuse,
+                                  fp16=fp16, step=step)
 
     weights_path = path.with_suffix(".safetensors") if save_weights else None
     specs = {s.name: s for s in [*inputs, *outputs]}
     info = ModelInfo(variant=model.variant, config=model.config_dict(), lowering=lowering,
-                     precision="fp16" if fp16 else "fp32", inputs=_entries(proto.graph.input, specs),
-                     outputs=_entries(proto.graph.output, specs), profiles={k: list(v) for k, v in profiles.items()},
+                     precision="fp16" if fp16 else "fp32", inputs=_entries(graph.graph.inputs, specs),
+                     outputs=_entries(graph.graph.outputs, specs), profiles={k: list(v) for k, v in profiles.items()},
                      version=attnx.__version__, weights=weights_path.name if weights_path else None,
-                     tokenizer=tokenizer, cache=model.cache_metadata() if hasattr(model, "cache_metadata") else None)
-    info.write(proto)
+                     tokenizer=tokenizer, cache=model.cache_metadata() if hasattr(model, "cache_metadata") else None,
+                     reference=reference)
+    write_info(graph, info)
 
     step("check")
-    large = _initializer_bytes(proto) > _EXTERNAL_DATA_BYTES
-    if not large:
-        _check(proto)
+    onnx_file.check(graph)
 
     step("save")
-    save_model(proto, path)
-    if large:
-        _check(proto, path_for_large=path)
+    staged = staging.path(path.name)
+    onnx_file.save(graph, staged, progress=lambda done, total: step("save", done, total))
+    del graph
     if weights_path is not None:
-        save_checkpoint(reference_model, weights_path)
+        save_checkpoint(reference_model, staging.path(weights_path.name), names=weight_names)
+    if int8_weight_bits is not None:
+        from attnx.export.quantize import quantize_file
+
+        step("int8")
+        try:
+            quantize_file(staged, staged, weight_bits=int8_weight_bits)
+        except Exception as e:  # one line; the staging folder goes, so nothing appears under the int8 name
+            msg = " ".join(str(e).split())[:200] or type(e).__name__
+            raise ValueError(f"{path}: int8 quantization failed ({type(e).__name__}: {msg}); nothing was written "
+                             "under that name") from None
+        info = ModelInfo.read(staged)  # precision and how it was quantized
     return ExportResult(path=path, model=model, info=info, weights_path=weights_path, steps=list(STEPS))
+
+
+def estimate_bytes(model, fp16: bool = False, int8_weight_bits: int | None = None) -> int:
+    """What an export of ``model`` writes, about: its weights once, in the file's precision (an int8
+    export stages the fp32 file first)."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            n += p.numel()
+    per = 2 if fp16 else 4
+    return n * per + (n if int8_weight_bits else 0) + (1 << 20)
 
 
 def export_variant(variant: str, path: str | Path | None = None, *, overrides: dict | None = None,
                    n_layers: int | None = None, lowering: str = "plugin", fp16: bool = False,
                    checkpoint: str | Path | None = None, opset: int = ONNX_OPSET, seed: int = 0,
-                   profiles: dict | None = None, progress: Callable[[str], None] | None = None,
-                   attention_outputs=None, head_mask: bool = False, fuse: bool = True) -> ExportResult:
+                   profiles: dict | None = None, progress: Progress | None = None,
+                   attention_outputs=None, head_mask: bool = False, fuse: bool = True,
+                   int8_weight_bits: int | None = None) -> ExportResult:
     """Build ``variant`` (small default config + ``overrides``, seeded weights or ``checkpoint``) and export it."""
     options = {**DEFAULT_OPTIONS, **(overrides or {})}
     if n_layers is not None:
@@ -378,4 +359,5 @@ def export_variant(variant: str, path: str | Path | None = None, *, overrides: d
         load_checkpoint(model, checkpoint)
     path = Path(path) if path is not None else default_path(variant, lowering, fp16)
     return export_encoder(model, path, lowering=lowering, fp16=fp16, opset=opset, profiles=profiles,
-                          progress=progress, attention_outputs=attention_outputs, head_mask=head_mask, fuse=fuse)
+                          progress=progress, attention_outputs=attention_outputs, head_mask=head_mask, fuse=fuse,
+                          int8_weight_bits=int8_weight_bits)

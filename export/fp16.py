@@ -4,14 +4,15 @@ TensorRT 11 and TensorRT-RTX are strongly typed (no FP16 builder flag), so
 precision lives in the file: every float tensor becomes fp16 except around the
 ops in ``FP32_OPS``, which get fp32 inputs (a Cast in front) and hand fp16 on
 (a Cast behind). Float constants are clamped to fp16's finite range first, so an
-additive mask of float32-min becomes -65504 rather than -inf (no NaN rows).
+additive mask of float32-min becomes -65504 rather than -inf (no NaN rows). Weights are converted
+when the file is written (``ir.LazyTensor``), one at a time.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
 
 # Softmax lives inside Attention; reductions accumulate; LayerNorm normalises.
 FP32_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "Attention", "ReduceSum", "ReduceMean",
@@ -21,66 +22,90 @@ FP32_OPS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "Attention"
 #: outputs (``present.*``) and refuses the build ("Fusing attention ops must leave the graph in a well-formed state").
 FP32_OPS_WITH_CACHE = FP32_OPS - {"Attention"}
 _FP16_MAX = float(np.finfo(np.float16).max)
+_F32, _F16 = ir.DataType.FLOAT, ir.DataType.FLOAT16
 
 
 def _to_fp16_array(values: np.ndarray) -> np.ndarray:
     return np.clip(values, -_FP16_MAX, _FP16_MAX).astype(np.float16)
 
 
-def to_fp16(model: onnx.ModelProto, keep_fp32: frozenset[str] = FP32_OPS) -> onnx.ModelProto:
-    """Return an fp16 copy of ``model`` (graph inputs/outputs included) with ``keep_fp32`` ops in fp32."""
-    graph = gs.import_onnx(model)
-    fp32_nodes = [n for n in graph.nodes if n.op in keep_fp32 and n.domain in (None, "", "ai.onnx")]
-    fp32_ids = {id(n) for n in fp32_nodes}
+def _fp16_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    """``tensor`` in fp16 (clamped): small ones now, large ones when written."""
+    name = tensor.name
+    if tensor.size <= 4096:
+        return ir.Tensor(_to_fp16_array(tensor.numpy()), name=name)
+    return ir.LazyTensor(lambda: ir.Tensor(_to_fp16_array(tensor.numpy()), name=name), dtype=_F16,
+                         shape=ir.Shape(list(tensor.shape)), name=name)
 
-    # 1. Constants and Constant nodes / typed attributes -> fp16.
-    for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Constant) and tensor.values.dtype == np.float32:
-            consumers = tensor.outputs
-            if consumers and all(id(c) in fp32_ids for c in consumers):
-                continue  # e.g. LayerNorm scale/bias: only ever read in fp32
-            tensor.values = _to_fp16_array(tensor.values)
-    for node in graph.nodes:
-        if node.op == "Cast" and node.attrs.get("to") == onnx.TensorProto.FLOAT and id(node) not in fp32_ids:
-            node.attrs["to"] = onnx.TensorProto.FLOAT16
-        if node.op in ("Constant", "ConstantOfShape"):
-            for key in ("value",):
-                val = node.attrs.get(key)
-                if isinstance(val, gs.Constant) and val.values.dtype == np.float32:
-                    val.values = _to_fp16_array(val.values)
-            if isinstance(node.attrs.get("value_float"), float):
-                node.attrs["value_float"] = float(np.clip(node.attrs["value_float"], -_FP16_MAX, _FP16_MAX))
-        if node.op in ("EyeLike", "RandomNormal", "RandomUniform") and node.attrs.get("dtype") == onnx.TensorProto.FLOAT:
-            node.attrs["dtype"] = onnx.TensorProto.FLOAT16
 
-    # 2. Every float32 variable becomes fp16 (shapes kept; inference re-derives the rest).
-    for tensor in graph.tensors().values():
-        if isinstance(tensor, gs.Variable) and tensor.dtype is not None and np.dtype(tensor.dtype) == np.float32:
-            tensor.dtype = np.float16
+def _is_f32(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype == _F32
+
+
+def to_fp16(model, keep_fp32: frozenset[str] = FP32_OPS):
+    """``model`` in fp16 (graph inputs/outputs included) with ``keep_fp32`` ops in fp32: an onnx-ir model is
+    converted in place and returned; an ``onnx.ModelProto`` gives a new one."""
+    if isinstance(model, onnx.ModelProto):
+        converted = to_fp16(ir.serde.deserialize_model(model), keep_fp32)
+        return ir.serde.serialize_model(converted)
+    graph = model.graph
+    fp32_nodes = {id(n) for n in graph if n.op_type in keep_fp32 and n.domain in ("", "ai.onnx")}
+
+    # 1. Initializers and constant attributes -> fp16 (a weight only fp32 islands read stays fp32).
+    for value in graph.initializers.values():
+        if value.const_value is None or value.const_value.dtype != _F32:
+            continue
+        consumers = value.consumers()
+        if consumers and all(id(c) in fp32_nodes for c in consumers):
+            continue  # e.g. LayerNorm scale/bias: only ever read in fp32
+        value.const_value = _fp16_tensor(value.const_value)
+        value.dtype = _F16
+    for node in graph:
+        if node.op_type == "Cast" and node.attributes.get_int("to") == _F32 and id(node) not in fp32_nodes:
+            node.attributes["to"] = ir.AttrInt64("to", _F16)
+        if node.op_type in ("Constant", "ConstantOfShape"):
+            tensor = node.attributes.get_tensor("value")
+            if tensor is not None and tensor.dtype == _F32:
+                node.attributes["value"] = ir.AttrTensor("value", _fp16_tensor(tensor))
+            value = node.attributes.get_float("value_float")
+            if value is not None:
+                node.attributes["value_float"] = ir.AttrFloat32("value_float", float(np.clip(value, -_FP16_MAX,
+                                                                                          _FP16_MAX)))
+        if node.op_type in ("EyeLike", "RandomNormal", "RandomUniform") and node.attributes.get_int("dtype") == _F32:
+            node.attributes["dtype"] = ir.AttrInt64("dtype", _F16)
+
+    # 2. Every float32 value becomes fp16 (shapes kept).
+    for value in [*graph.inputs, *graph.outputs, *(o for n in graph for o in n.outputs)]:
+        if _is_f32(value):
+            value.dtype = _F16
 
     # 3. fp32 islands: cast float inputs up and outputs back down.
-    for node in fp32_nodes:
-        for i, inp in enumerate(list(node.inputs)):
-            if isinstance(inp, gs.Constant) and inp.values.dtype == np.float32:
+    for node in [n for n in graph if id(n) in fp32_nodes]:
+        for i, inp in enumerate(node.inputs):
+            if inp is None or inp.dtype != _F16:
                 continue
-            if isinstance(inp, gs.Constant) and inp.values.dtype == np.float16 or \
-                    isinstance(inp, gs.Variable) and inp.dtype is not None and np.dtype(inp.dtype) == np.float16:
-                up = gs.Variable(f"{inp.name}__fp32_{node.name or node.op}_{i}", dtype=np.float32, shape=inp.shape)
-                graph.nodes.append(gs.Node("Cast", inputs=[inp], outputs=[up], attrs={"to": onnx.TensorProto.FLOAT}))
-                node.inputs[i] = up
-        for i, out in enumerate(list(node.outputs)):
-            if out.dtype is not None and np.dtype(out.dtype) == np.float16:
-                wide = gs.Variable(f"{out.name}__fp32", dtype=np.float32, shape=out.shape)
-                node.outputs[i] = wide
-                graph.nodes.append(gs.Node("Cast", inputs=[wide], outputs=[out], attrs={"to": onnx.TensorProto.FLOAT16}))
+            up = ir.node("Cast", [inp], {"to": _F32}, name=f"{inp.name}__fp32_{node.name or node.op_type}_{i}")
+            up.outputs[0].dtype, up.outputs[0].shape = _F32, inp.shape
+            graph.insert_before(node, up)
+            node.replace_input_with(i, up.outputs[0])
+        for out in node.outputs:
+            if out.dtype != _F16:
+                continue
+            down = ir.node("Cast", [out], {"to": _F16})
+            narrow = down.outputs[0]
+            narrow.dtype, narrow.shape = _F16, out.shape
+            graph.insert_after(node, down)
+            for user, index in list(out.uses()):
+                if user is not down:
+                    user.replace_input_with(index, narrow)
+            if out.is_graph_output():  # the graph's output keeps its name, now on the fp16 value
+                outputs = graph.outputs
+                outputs[outputs.index(out)] = narrow
+                name = out.name
+                out.name = f"{name}__fp32"
+                narrow.name = name
+            out.dtype = _F32
+    from attnx.export.graph import remove_dead
 
-    graph.cleanup().toposort()
-    out = gs.export_onnx(graph)
-    out.ir_version = model.ir_version
-    del out.functions[:]
-    out.functions.extend(model.functions)  # custom-op bodies are type-generic (T = float or float16)
-    del out.metadata_props[:]
-    out.metadata_props.extend(model.metadata_props)
-    del out.graph.value_info[:]
-    return out
-
+    remove_dead(model)
+    return model

@@ -11,7 +11,9 @@ Two rewrites, run by the exporter's optimise step on every file (``--no-fuse`` s
   with ``q_num_heads`` / ``kv_num_heads`` (opset 23 allows both layouts): four transposes (memory
   copies of every activation) per layer gone.
 
-Both are exact: the same arithmetic in another order of nodes, not another order of sums. They
+Both are exact: the same arithmetic in another order of nodes, not another order of sums. They work
+on the onnx-ir graph of the exporter; a packed weight is computed when the file is written
+(:mod:`attnx.export.graph`), never held beside the weights it packs. They
 match conservative patterns only (constant weights of one shape family, the exact perms and
 shapes); anything else is left as it is. What ONNX Runtime's own ``transformers.optimizer`` does
 with vendor ops (``com.microsoft.Attention`` and friends) is not wanted here: the same file must
@@ -23,36 +25,59 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
+
+from attnx.export.graph import add_initializer
 
 _HEADS_PERM = [0, 2, 1, 3]
 
 
-def _single_consumer(tensor: gs.Variable) -> gs.Node | None:
-    return tensor.outputs[0] if len(tensor.outputs) == 1 else None
+def _onnx(node: ir.Node, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
 
 
-def _bias_add(matmul: gs.Node) -> tuple[gs.Node, np.ndarray] | None:
+def _single_consumer(value: ir.Value) -> ir.Node | None:
+    uses = value.uses()
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    return next(iter(uses)).node
+
+
+def _bias_add(matmul: ir.Node) -> tuple[ir.Node, ir.Value] | None:
     """The ``Add(matmul_out, const[N])`` right after a MatMul, if that is its only consumer."""
     add = _single_consumer(matmul.outputs[0])
-    if add is None or add.op != "Add":
+    if not _onnx(add, "Add"):
         return None
-    other = [t for t in add.inputs if t is not matmul.outputs[0]]
-    if len(other) != 1 or not isinstance(other[0], gs.Constant) or other[0].values.ndim != 1:
+    other = [v for v in add.inputs if v is not matmul.outputs[0]]
+    if len(other) != 1 or other[0] is None or other[0].const_value is None or len(other[0].const_value.shape) != 1:
         return None
-    return add, other[0].values
+    return add, other[0]
 
 
-def pack_projections(graph: gs.Graph) -> int:
+def _concat(tensors: list[ir.TensorProtocol], axis: int, name: str) -> ir.LazyTensor:
+    """The tensors joined along ``axis``, computed when written."""
+    shape = list(tensors[0].shape)
+    shape[axis] = sum(t.shape[axis] for t in tensors)
+    dtype = tensors[0].dtype
+
+    def evaluate():
+        return ir.Tensor(np.concatenate([t.numpy() for t in tensors], axis), dtype=dtype, name=name)
+
+    return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
+
+
+def pack_projections(graph: ir.Graph) -> int:
     """Merge MatMuls sharing an input and a constant 2-D weight of one row count; returns how many
     groups were packed. With biases, all or none of a group must have one (they are packed too)."""
-    groups: dict[tuple, list[gs.Node]] = defaultdict(list)
-    for node in graph.nodes:
-        if node.op != "MatMul" or len(node.inputs) != 2:
+    groups: dict[tuple, list[ir.Node]] = defaultdict(list)
+    for node in graph:
+        if not _onnx(node, "MatMul") or len(node.inputs) != 2:
             continue
         x, w = node.inputs
-        if isinstance(w, gs.Constant) and w.values.ndim == 2 and w.values.dtype in (np.float32, np.float16):
-            groups[(x.name, w.values.shape[0], w.values.dtype.str)].append(node)
+        tensor = w.const_value if w is not None else None
+        if x is not None and tensor is not None and len(tensor.shape) == 2 and \
+                tensor.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+            groups[(id(x), tensor.shape[0], tensor.dtype)].append(node)
     packed = 0
     for members in groups.values():
         if len(members) < 2:
@@ -61,98 +86,139 @@ def pack_projections(graph: gs.Graph) -> int:
         with_bias = [b is not None for b in biases]
         if any(with_bias) and not all(with_bias):
             biases = [None] * len(members)  # mixed: pack the MatMuls, leave the Adds
-        widths = [m.inputs[1].values.shape[1] for m in members]
-        x = members[0].inputs[0]
-        weight = gs.Constant(f"{members[0].name}__packed_w", np.concatenate([m.inputs[1].values for m in members], 1))
-        y = gs.Variable(f"{members[0].name}__packed", dtype=members[0].outputs[0].dtype)
-        new = [gs.Node("MatMul", name=f"{members[0].name}__packed", inputs=[x, weight], outputs=[y])]
+        first = members[0]
+        base = first.name or first.outputs[0].name
+        widths = [m.inputs[1].const_value.shape[1] for m in members]
+        x = first.inputs[0]
+        weight = add_initializer(graph, f"{base}__packed_w", _concat([m.inputs[1].const_value for m in members], 1,
+                                                                     f"{base}__packed_w"))
+        matmul = ir.node("MatMul", [x, weight], name=f"{base}__packed")
+        new = [matmul]
+        y = matmul.outputs[0]
+        y.dtype = first.outputs[0].dtype
         if biases[0] is not None:
-            bias = gs.Constant(f"{members[0].name}__packed_b", np.concatenate([b[1] for b in biases]).astype(weight.values.dtype))
-            yb = gs.Variable(f"{y.name}_biased", dtype=y.dtype)
-            new.append(gs.Node("Add", name=f"{y.name}_bias", inputs=[y, bias], outputs=[yb]))
-            y = yb
-        # the split's outputs take over the tensors the old nodes produced, so consumers are untouched
+            bias = add_initializer(graph, f"{base}__packed_b", _concat([b[1].const_value for b in biases], 0,
+                                                                       f"{base}__packed_b"))
+            add = ir.node("Add", [y, bias], name=f"{base}__packed_bias")
+            add.outputs[0].dtype = y.dtype
+            new.append(add)
+            y = add.outputs[0]
+        # the split's outputs take over the values the old nodes produced, so consumers are untouched
         outs = [b[0].outputs[0] if b is not None else m.outputs[0] for m, b in zip(members, biases)]
-        for m, b in zip(members, biases):
-            m.outputs.clear()
-            if b is not None:
-                b[0].outputs.clear()
-        sizes = gs.Constant(f"{members[0].name}__packed_sizes", np.array(widths, np.int64))
-        new.append(gs.Node("Split", name=f"{members[0].name}__split", inputs=[y, sizes], outputs=outs, attrs={"axis": -1}))
-        graph.nodes.extend(new)
+        sizes = add_initializer(graph, f"{base}__packed_sizes", ir.tensor(np.array(widths, np.int64)))
+        split = ir.node("Split", [y, sizes], {"axis": -1}, num_outputs=len(outs), name=f"{base}__split")
+        graph.insert_before(first, new + [split])
+        for old, new_out in zip(outs, split.outputs):
+            new_out.dtype, new_out.shape = old.dtype, old.shape
+            was_output = old.is_graph_output()
+            name = old.name
+            old.replace_all_uses_with(new_out, replace_graph_outputs=True)
+            if was_output:
+                old.name = None
+                new_out.name = name
+        _drop(graph, [n for m, b in zip(members, biases) for n in ([m] if b is None else [m, b[0]])])
         packed += 1
     return packed
 
 
-def _heads_in(t: gs.Tensor) -> tuple[gs.Tensor, int] | None:
-    """``t = Transpose(Reshape(x3d, [B, L, H, Dh]), (0, 2, 1, 3))`` with ``t`` only feeding attention:
-    ``(x3d, H)``."""
-    if not t.inputs or t.inputs[0].op != "Transpose" or t.inputs[0].attrs.get("perm") != _HEADS_PERM:
+def _drop(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Remove nodes nothing reads any more, and the initializers only they read."""
+    inputs = [v for n in nodes for v in n.inputs if v is not None]
+    graph.remove(nodes, safe=True)
+    for value in inputs:
+        if value.is_initializer() and not value.uses() and not value.is_graph_output():
+            graph.initializers.pop(value.name)
+
+
+def _heads_in(value: ir.Value) -> tuple[ir.Value, int] | None:
+    """``value = Transpose(Reshape(x3d, [B, L, H, Dh]), (0, 2, 1, 3))`` with ``value`` only feeding
+    attention: ``(x3d, H)``."""
+    transpose = value.producer()
+    if not _onnx(transpose, "Transpose") or list(transpose.attributes.get_ints("perm", [])) != _HEADS_PERM:
         return None
-    reshape = t.inputs[0].inputs[0].inputs[0] if t.inputs[0].inputs[0].inputs else None
-    if reshape is None or reshape.op != "Reshape" or len(t.inputs[0].inputs[0].outputs) != 1:
+    reshaped = transpose.inputs[0]
+    reshape = reshaped.producer() if reshaped is not None else None
+    if not _onnx(reshape, "Reshape") or _single_consumer(reshaped) is not transpose:
         return None
-    shape = t.shape
+    shape = value.shape
     x3d = reshape.inputs[0]
-    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]) or \
-            x3d.shape is None or len(x3d.shape) != 3 or x3d.shape[2] != shape[1] * shape[3]:
+    if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in (shape[1], shape[3])) or \
+            x3d.shape is None or len(x3d.shape) != 3 or not isinstance(x3d.shape[2], int) or \
+            x3d.shape[2] != shape[1] * shape[3]:
         return None  # heads must split the last axis of a [B, L, H*Dh] tensor
     return x3d, int(shape[1])
 
 
-def attention_3d(graph: gs.Graph) -> int:
+def attention_3d(graph: ir.Graph) -> int:
     """Feed ``Attention`` 3-D Q/K/V where each came from the heads reshape+transpose and the output
     goes (through an optional row-validity ``Mul``) into the inverse transpose+reshape."""
     done = 0
-    squeezed: dict[str, gs.Variable] = {}  # one row-validity mask serves every layer
-    for attn in [n for n in graph.nodes if n.op == "Attention" and n.domain in (None, "", "ai.onnx")]:
-        if len(attn.outputs) != 1 or len(attn.inputs) < 3 or attn.attrs.get("is_causal", 0):
+    squeezed: dict[int, ir.Value] = {}  # one row-validity mask serves every layer
+    for attn in [n for n in graph if _onnx(n, "Attention")]:
+        if len(attn.outputs) != 1 or len(attn.inputs) < 3 or attn.attributes.get_int("is_causal", 0):
             continue
-        heads = [_heads_in(t) for t in attn.inputs[:3]]
+        if any(v is None for v in attn.inputs[:3]):
+            continue
+        heads = [_heads_in(v) for v in attn.inputs[:3]]
         if any(h is None for h in heads) or len({h[1] for h in heads}) != 1:
             continue
-        if any(len(t.outputs) != 1 for t in attn.inputs[:3]):
+        if any(_single_consumer(v) is not attn for v in attn.inputs[:3]):
             continue
         # after: [Mul(z, row_valid [B, 1, 1, 1])] -> Transpose(0, 2, 1, 3) -> Reshape to 3-D
         z = attn.outputs[0]
         cur, mul = _single_consumer(z), None
-        if cur is not None and cur.op == "Mul":
-            other = [t for t in cur.inputs if t is not z]
-            if len(other) != 1 or other[0].shape is None or len(other[0].shape) != 4 or \
+        if _onnx(cur, "Mul"):
+            other = [v for v in cur.inputs if v is not z]
+            if len(other) != 1 or other[0] is None or other[0].shape is None or len(other[0].shape) != 4 or \
                     any(d != 1 for d in other[0].shape[1:]):
                 continue
             mul, cur = cur, _single_consumer(cur.outputs[0])
-        if cur is None or cur.op != "Transpose" or cur.attrs.get("perm") != _HEADS_PERM:
+        if not _onnx(cur, "Transpose") or list(cur.attributes.get_ints("perm", [])) != _HEADS_PERM:
             continue
         merge = _single_consumer(cur.outputs[0])
-        if merge is None or merge.op != "Reshape" or merge.outputs[0].shape is None or len(merge.outputs[0].shape) != 3:
+        if not _onnx(merge, "Reshape") or merge.outputs[0].shape is None or len(merge.outputs[0].shape) != 3:
             continue
         h = heads[0][1]
         out3d = merge.outputs[0]
-        merge.outputs.clear()
-        z3 = gs.Variable(f"{z.name}__3d", dtype=z.dtype)
-        for i, hd in enumerate(heads):
-            attn.inputs[i] = hd[0]
-        attn.outputs[0] = z3
-        attn.attrs["q_num_heads"] = h
-        attn.attrs["kv_num_heads"] = h
+        attrs = {a.name: a for a in attn.attributes.values()}
+        attrs["q_num_heads"] = ir.AttrInt64("q_num_heads", h)
+        attrs["kv_num_heads"] = ir.AttrInt64("kv_num_heads", h)
+        fused = ir.Node("", "Attention", [hd[0] for hd in heads] + list(attn.inputs[3:]), attributes=list(attrs.values()),
+                        name=attn.name)
+        z3 = fused.outputs[0]
+        z3.dtype = z.dtype
+        new = [fused]
         if mul is not None:  # row validity [B, 1, 1, 1] -> [B, 1, 1]
-            valid = [t for t in mul.inputs if t is not z][0]
-            if valid.name not in squeezed:
-                squeezed[valid.name] = gs.Variable(f"{valid.name}__3d", dtype=valid.dtype)
-                axes = gs.Constant(f"{valid.name}__squeeze_axes", np.array([1], np.int64))
-                graph.nodes.append(gs.Node("Squeeze", inputs=[valid, axes], outputs=[squeezed[valid.name]]))
-            valid3 = squeezed[valid.name]
-            mul.inputs[0], mul.inputs[1] = z3, valid3
-            mul.outputs[0] = out3d
+            valid = [v for v in mul.inputs if v is not z][0]
+            if id(valid) not in squeezed:
+                axes = add_initializer(graph, f"{valid.name}__squeeze_axes", ir.tensor(np.array([1], np.int64)))
+                squeeze = ir.node("Squeeze", [valid, axes])
+                squeeze.outputs[0].dtype = valid.dtype
+                new.insert(0, squeeze)
+                squeezed[id(valid)] = squeeze.outputs[0]
+            last = ir.node("Mul", [z3, squeezed[id(valid)]], name=mul.name)
         else:
-            graph.nodes.append(gs.Node("Identity", inputs=[z3], outputs=[out3d]))
+            last = ir.node("Identity", [z3])
+        last.outputs[0].dtype = out3d.dtype
+        last.outputs[0].shape = out3d.shape
+        new.append(last)
+        graph.insert_before(attn, new)
+        name, was_output = out3d.name, out3d.is_graph_output()
+        out3d.replace_all_uses_with(last.outputs[0], replace_graph_outputs=True)
+        if was_output:
+            out3d.name = None
+            last.outputs[0].name = name
+        old = [attn, cur, merge] + ([mul] if mul is not None else [])
+        old += [v.producer() for v in attn.inputs[:3]] + [v.producer().inputs[0].producer() for v in attn.inputs[:3]]
+        graph.remove(old, safe=True)
         done += 1
     return done
 
 
-def fuse(graph: gs.Graph) -> dict[str, int]:
-    """Run every fusion on ``graph`` (in place, then cleaned up): ``{fusion: times applied}``."""
-    counts = {"pack_projections": pack_projections(graph), "attention_3d": attention_3d(graph)}
-    graph.cleanup().toposort()
+def fuse(model: ir.Model) -> dict[str, int]:
+    """Run every fusion on ``model`` (in place, then cleaned up): ``{fusion: times applied}``."""
+    from attnx.export.graph import remove_dead
+
+    counts = {"pack_projections": pack_projections(model.graph), "attention_3d": attention_3d(model.graph)}
+    remove_dead(model)
     return counts

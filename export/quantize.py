@@ -387,22 +387,3 @@ def quantize_file(src, dst, smoothing: bool = True, weight_bits: int = 7) -> int
     onnx.checker.check_model(out)
     save_model(out, Path(dst))
     return count
-
-
-def quantize_export(path, weight_bits: int = 7) -> int:
-    """:func:`quantize_file` in place on a fresh fp32 export (``attnx export --int8``), which is already under the
-    int8 name: if quantizing fails or is interrupted, that file (and its ``.data``) is removed, so no fp32 model
-    is ever left under the int8 name."""
-    from pathlib import Path
-
-    path = Path(path)
-    try:
-        return quantize_file(path, path, weight_bits=weight_bits)
-    except BaseException as e:
-        for f in (path, path.with_name(path.name + ".data")):
-            f.unlink(missing_ok=True)
-        if not isinstance(e, Exception):
-            raise
-        msg = " ".join(str(e).split())[:200] or type(e).__name__
-        raise ValueError(f"{path}: int8 quantization failed ({type(e).__name__}: {msg}); the fp32 export written "
-                         "under that name was removed") from None

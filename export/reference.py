@@ -1,5 +1,7 @@
 """The PyTorch reference of an export: the model rebuilt from its ``attnx.config`` and the weights
-file beside it (what ``attnx check`` compares every runtime with)."""
+file beside it (what ``attnx check`` compares every runtime with). A pretrained export that records
+``attnx.reference`` takes its pretrained weights from that source folder (checked against the recorded
+sizes and sha256) and only the placed variant's from the file beside it."""
 
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def model_from_config(config: dict) -> nn.Module:
     return model.eval()
 
 
-def load_reference(path: str | os.PathLike) -> tuple[nn.Module, ModelInfo]:
-    """``(model with the export's weights, its metadata)``; one clear error when it cannot be rebuilt."""
+def load_reference(path: str | os.PathLike, source: str | os.PathLike | None = None) -> tuple[nn.Module, ModelInfo]:
+    """``(model with the export's weights, its metadata)``; one clear error when it cannot be rebuilt.
+    ``source``: the folder a pretrained export was made from, where it is not at the recorded path."""
     from attnx.models.checkpoint import load_checkpoint
 
     path = Path(path)
@@ -50,6 +53,8 @@ def load_reference(path: str | os.PathLike) -> tuple[nn.Module, ModelInfo]:
     if not weights.is_file():
         raise ContractError(f"the reference weights {weights} named by {path.name} are missing (they are written "
                             "beside the file by `attnx export`)")
+    if info.reference:
+        return _from_source(path, info, weights, source), info
     try:
         model = model_from_config(info.config)
     except (KeyError, TypeError, ValueError) as e:
@@ -67,3 +72,65 @@ def load_reference(path: str | os.PathLike) -> tuple[nn.Module, ModelInfo]:
     else:
         load_checkpoint(target, weights)
     return model.eval(), info
+
+
+def check_source(folder: Path, reference: dict, export: Path) -> None:
+    """The source folder's weight files are the ones the export recorded (names, sizes, sha256)."""
+    import hashlib
+
+    for entry in reference.get("files") or []:
+        f = folder / str(entry["name"])
+        if Path(entry["name"]).name != entry["name"] or not f.is_file():
+            raise ContractError(f"{export.name}: its reference weights come from {folder}, which has no "
+                                f"{entry['name']} any more: pass the folder it was exported from (--original) or "
+                                "re-export")
+        same = f.stat().st_size == int(entry["bytes"])
+        if same:
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+            same = h.hexdigest() == entry["sha256"]
+        if not same:
+            raise ContractError(f"{export.name}: {f} changed since the export (its sha256 differs), so it is not the "
+                                "model that was exported: pass the folder it was exported from (--original), or "
+                                "re-export")
+
+
+def _from_source(path: Path, info: ModelInfo, weights: Path, source) -> nn.Module:
+    """A pretrained export's reference: the source folder's model, the variant placed as recorded, the
+    weights file's tensors (the variant's) on top."""
+    from attnx import pretrained
+    from attnx.models.checkpoint import read_checkpoint
+    from attnx.pretrained.folder import SentenceTransformerInfo
+    from attnx.pretrained.placing import Placement, place
+
+    config = info.config
+    folder = Path(source or info.reference.get("source") or "")
+    if not folder.is_dir():
+        raise ContractError(f"{path.name}: its reference weights come from the folder it was exported from, "
+                            f"{folder}, which is not there: pass that folder (attnx check --original DIR), or "
+                            "re-export with --copy-weights")
+    check_source(folder, info.reference, path)
+    try:
+        hf = pretrained.load_model(pretrained.read_folder(folder), config["task"])
+        if type(hf).__name__ != config["architecture"]:
+            raise ValueError(f"{folder} holds a {type(hf).__name__}, the export a {config['architecture']}")
+        place(hf, Placement.from_dict(config.get("placement")))
+        st = config.get("sentence_transformers")
+        if config.get("with_past"):
+            from attnx.pretrained.cached import CachedHost as cls
+        else:
+            from attnx.pretrained.host import Host as cls
+        host = cls(hf, config["task"], SentenceTransformerInfo(**st) if st else None, config.get("source"),
+                   config.get("max_length"))
+        own = sorted(set(host.state_dict()) - host.pretrained_names)
+        host.load_state_dict(read_checkpoint(host, weights, required=own, what="export's placement"), strict=False)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
+        raise ContractError(f"{path}: cannot rebuild its reference from {folder} ({e})") from None
+    model = host
+    if config.get("attention_outputs") or config.get("head_mask"):
+        from attnx.export.attention_outputs import WithAttentionOutputs
+
+        model = WithAttentionOutputs(host, list(config.get("attention_outputs") or []), bool(config.get("head_mask")))
+    return model.eval()

@@ -32,29 +32,31 @@ def default_profiles(positions: int, given: dict | None = None) -> dict:
     return out
 
 
-def prepare(host, path, profiles, folder_out, name: str, attention_outputs, head_mask):
-    """The cached host, output path and profiles for :func:`attnx.export.pretrained.export_pretrained`."""
-    from attnx.pretrained.cached import CachedHost
-
+def check(task: str, attention_outputs, head_mask: bool, source) -> None:
+    """Before any work: what a with-past export cannot be."""
     if attention_outputs is not None or head_mask:
         raise ValueError("--with-past exports a decoder that generates: attention outputs and head masks are for "
                          "the full-sequence export (leave out --with-past)")
-    if host.task != "causal-lm":
-        raise ValueError(f"--with-past needs a causal LM (a decoder that generates); {host.source or 'this folder'} "
-                         f"is {host.task} (config.json's architectures; --task causal-lm to choose it)")
+    if task != "causal-lm":
+        raise ValueError(f"--with-past needs a causal LM (a decoder that generates); {source or 'this folder'} "
+                         f"is {task} (config.json's architectures; --task causal-lm to choose it)")
+
+
+def prepare(host, profiles):
+    """The cached host and its profiles for :func:`attnx.export.pretrained.export_pretrained`."""
+    from attnx.pretrained.cached import CachedHost
+
     cached = CachedHost.of(host)
-    if path is None:
-        path = Path(folder_out) / f"{name}-with-past" / "model.onnx"
-    return cached, Path(path), default_profiles(cached.max_seq, profiles)
+    return cached, default_profiles(cached.max_seq, profiles)
 
 
-def finish(result, hf_config: dict, tokenizer_dir) -> list[str]:
-    """After the export: onnxruntime-genai's files beside it; notes for the user."""
+def finish(onnx_path: Path, info, hf_config: dict, tokenizer_dir, final_folder: Path) -> list[str]:
+    """onnxruntime-genai's files beside the (staged) export; notes for the user (about ``final_folder``)."""
     from attnx.export.genai import CONFIG_NAME, genai_support, write_genai_files
 
-    write_genai_files(result.path, result.info, hf_config, tokenizer_dir)
-    why = genai_support(result.info)
-    where = result.path.parent / CONFIG_NAME
+    write_genai_files(onnx_path, info, hf_config, tokenizer_dir)
+    why = genai_support(info)
+    where = final_folder / CONFIG_NAME
     if why:
         return [f"{where} written, but onnxruntime-genai cannot run this file by itself: " + "; ".join(why)]
-    return [f"{where} written: onnxruntime-genai runs this folder (og.Model('{result.path.parent}'))"]
+    return [f"{where} written: onnxruntime-genai runs this folder (og.Model('{final_folder}'))"]

@@ -44,15 +44,18 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path) -> None:
     model.load_state_dict(read_checkpoint(model, checkpoint, what=f"{getattr(model, 'variant', '')} model"))
 
 
-def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
-    """Every tensor of ``model.state_dict()``; a tied weight (one Parameter under two names) is stored once."""
+def save_checkpoint(model: nn.Module, path: str | Path, names=None) -> Path:
+    """Every tensor of ``model.state_dict()`` (or those in ``names``); a tied weight (one Parameter under two
+    names) is stored once."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     aliases = _aliases(model)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items() if k not in aliases}, str(tmp))
+    wanted = None if names is None else set(names)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()
+               if k not in aliases and (wanted is None or k in wanted)}, str(tmp))
     tmp.replace(path)
     return path
 

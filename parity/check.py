@@ -35,13 +35,14 @@ from attnx.parity.runners import REFERENCE, EngineRunner, TorchReferenceRunner, 
 LOWERINGS = ("plugin", "rewrite")
 
 
-def load_reference(path: str | os.PathLike):
+def load_reference(path: str | os.PathLike, source: str | os.PathLike | None = None):
     """``(model with the export's weights, ModelInfo)`` for an attnx export
-    (:func:`attnx.export.reference.load_reference`); set-up problems are :class:`ParityError` s."""
+    (:func:`attnx.export.reference.load_reference`; ``source``: a pretrained export's source folder where it
+    moved); set-up problems are :class:`ParityError` s."""
     from attnx.export.reference import load_reference as rebuild
 
     try:
-        return rebuild(path)
+        return rebuild(path, source)
     except ContractError as e:
         raise ParityError(str(e)) from None
 
@@ -235,7 +236,7 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
     model_path = Path(model_path)
 
     step("reference")
-    model, info = load_reference(model_path)
+    model, info = load_reference(model_path, original)
     if info.cache:  # a decoder exported with its KV cache: checked on cached generation steps
         from attnx.parity.generation import run_generation_check
 

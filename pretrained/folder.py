@@ -286,10 +286,10 @@ def weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin (found: {found})")
 
 
-def weight_dtypes(files: list[Path]) -> dict[str, str]:
-    """Tensor name -> dtype of every weight, from the safetensors headers (nothing loaded) or, for a
-    ``.bin``, a ``weights_only`` memory-mapped load."""
-    out: dict[str, str] = {}
+def _weight_headers(files: list[Path]) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (dtype, shape) of every weight, from the safetensors headers (nothing loaded) or,
+    for a ``.bin``, a ``weights_only`` memory-mapped load."""
+    out: dict[str, tuple[str, list[int]]] = {}
     for path in files:
         if path.suffix == ".safetensors":
             try:
@@ -300,7 +300,8 @@ def weight_dtypes(files: list[Path]) -> dict[str, str]:
                     header = json.loads(f.read(size))
             except (OSError, ValueError, struct.error) as e:
                 raise ValueError(f"{path}: not a safetensors file ({type(e).__name__}: {e})") from None
-            out.update({k: str(v.get("dtype")) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+            out.update({k: (str(v.get("dtype")), list(v.get("shape") or [])) for k, v in header.items()
+                        if k != "__metadata__" and isinstance(v, dict)})
         else:
             import torch
 
@@ -309,7 +310,24 @@ def weight_dtypes(files: list[Path]) -> dict[str, str]:
             except Exception as e:  # a pickle with code in it, a truncated file
                 raise ValueError(f"{path}: cannot read it safely ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:160]})") from None
-            out.update({k: str(v.dtype).replace("torch.", "") for k, v in state.items() if hasattr(v, "dtype")})
+            out.update({k: (str(v.dtype).replace("torch.", ""), list(v.shape)) for k, v in state.items()
+                        if hasattr(v, "dtype")})
+    return out
+
+
+def weight_dtypes(files: list[Path]) -> dict[str, str]:
+    """Tensor name -> dtype of every weight (:func:`_weight_headers`: nothing loaded)."""
+    return {k: dtype for k, (dtype, _shape) in _weight_headers(files).items()}
+
+
+def weight_numel(files: list[Path]) -> dict[str, int]:
+    """Tensor name -> number of elements of every weight (nothing loaded)."""
+    out = {}
+    for k, (_dtype, shape) in _weight_headers(files).items():
+        n = 1
+        for d in shape:
+            n *= int(d)
+        out[k] = n
     return out
 
 

@@ -30,13 +30,14 @@ def test_a_failed_save_leaves_no_tmp_file(tmp_path, monkeypatch):
     """Issue 15 item 9: `build-engine --fp16` left `*-fp16.onnx.tmp` behind when saving failed."""
     import onnx
 
+    from attnx.export import onnx_file
     from attnx.export.exporter import save_model
 
     def half_write(model, path, *args, **kwargs):
         open(path, "wb").write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(onnx, "save_model", half_write)
+    monkeypatch.setattr(onnx_file, "save", half_write)
     model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
     with __import__("pytest").raises(OSError, match="No space left"):
         save_model(model, tmp_path / "m-fp16.onnx")

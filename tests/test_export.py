@@ -246,13 +246,17 @@ def test_checkpoint_mismatch_is_clear(tmp_path):
 
 
 def test_external_data_for_large_models(tmp_path, monkeypatch):
-    from attnx.export import exporter
+    from attnx.export import onnx_file
 
-    monkeypatch.setattr(exporter, "_EXTERNAL_DATA_BYTES", 10_000)  # pretend the model is past 2 GB
+    monkeypatch.setattr(onnx_file, "INLINE_LIMIT", 10_000)  # pretend the model is past 2 GB
     result = export_variant("mha", tmp_path / "big.onnx", overrides={"d_model": 32, "n_heads": 4})
-    assert (tmp_path / "big.onnx.data").stat().st_size > 10_000
+    data = tmp_path / "big.onnx.data"
+    assert data.stat().st_size > 10_000 and (tmp_path / "big.onnx").stat().st_size < data.stat().st_size / 4
     ref, got, _ = run_both(result, 2, 6)
     assert max_err(ref[0], got[0]) <= 1e-4
+    monkeypatch.undo()  # the same export in one file: the previous export's data file goes with it
+    export_variant("mha", tmp_path / "big.onnx", overrides={"d_model": 32, "n_heads": 4})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.safetensors"]
 
 
 def test_opset_range_is_checked(tmp_path):

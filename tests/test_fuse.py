@@ -12,7 +12,7 @@ from collections import Counter
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
@@ -79,21 +79,18 @@ def test_mha_fused_attention_has_no_head_transposes(exported):
 def test_fusions_leave_other_graphs_alone():
     """A MatMul whose weight is not a constant, and one reading another input, are not packed;
     an Attention fed 4-D tensors that did not come from the heads reshape keeps its inputs."""
-    x = gs.Variable("x", np.float32, ["b", "l", 8])
-    y = gs.Variable("y", np.float32, ["b", "l", 8])
-    w_var = gs.Variable("w", np.float32, [8, 8])
-    c1 = gs.Constant("c1", np.ones((8, 8), np.float32))
-    outs = [gs.Variable(f"o{i}", np.float32) for i in range(3)]
-    nodes = [gs.Node("MatMul", inputs=[x, c1], outputs=[outs[0]]),
-             gs.Node("MatMul", inputs=[x, w_var], outputs=[outs[1]]),
-             gs.Node("MatMul", inputs=[y, c1], outputs=[outs[2]])]
-    q = gs.Variable("q", np.float32, ["b", 2, "l", 4])
-    z = gs.Variable("z", np.float32, ["b", 2, "l", 4])
-    nodes.append(gs.Node("Attention", inputs=[q, q, q], outputs=[z]))
-    graph = gs.Graph(nodes=nodes, inputs=[x, y, w_var, q], outputs=[*outs, z], opset=23)
+    f32 = ir.DataType.FLOAT
+    x, y = ir.val("x", f32, ["b", "l", 8]), ir.val("y", f32, ["b", "l", 8])
+    w_var = ir.val("w", f32, [8, 8])
+    c1 = ir.val("c1", f32, [8, 8], const_value=ir.tensor(np.ones((8, 8), np.float32), name="c1"))
+    q = ir.val("q", f32, ["b", 2, "l", 4])
+    nodes = [ir.node("MatMul", [x, c1]), ir.node("MatMul", [x, w_var]), ir.node("MatMul", [y, c1]),
+             ir.node("Attention", [q, q, q])]
+    graph = ir.Graph([x, y, w_var, q], [n.outputs[0] for n in nodes], nodes=nodes, initializers=[c1],
+                     opset_imports={"": 23})
     assert pack_projections(graph) == 0
     assert attention_3d(graph) == 0
-    assert [n.op for n in graph.nodes] == ["MatMul", "MatMul", "MatMul", "Attention"]
+    assert [n.op_type for n in graph] == ["MatMul", "MatMul", "MatMul", "Attention"]
 
 
 def _ln_matmul_graph() -> onnx.ModelProto:

@@ -41,11 +41,14 @@ def variant(name: str, lowering: str = "plugin", fp16: bool = False, n_layers: i
 def pretrained(folder, variant: str | None = "mha", name: str | None = None, **kw) -> cache.CachedExport:
     """``attnx export --from-pretrained folder`` (``kw``: keyword arguments of ``export_pretrained``).
     ``variant=None`` exports what a saved placed folder records. A with-past export is ``model.onnx`` in
-    a folder of its own (onnxruntime-genai's layout)."""
+    a folder of its own (onnxruntime-genai's layout). The entry holds its reference weights
+    (``copy_weights``): it is keyed on the folder's content and outlives the folder it was exported from,
+    whose path an export otherwise records as its reference."""
     from attnx.export.pretrained import export_pretrained
 
     folder = stable_folder(Path(folder))
     kw = {k: v for k, v in kw.items() if v is not None}
+    kw.setdefault("copy_weights", True)
     if "checkpoint" in kw:  # keyed on its content, wherever it lies
         kw["checkpoint"] = Path(kw["checkpoint"])
     name = "model.onnx" if kw.get("with_past") else (name or f"{folder.name}-{variant or 'saved'}.onnx")
