@@ -47,17 +47,29 @@ def test_one_status_table_per_wire_shape_and_one_envelope():
     assert never_dies == ["wire/envelope.py"], never_dies
 
 
+#: Files allowed past 450 lines, each with its reason (the guide: a file over ~400 lines needs one).
+LONG_FILES = {"apis/requests.py": (500, "every request type of every API in one catalogue, behind one error mapping")}
+#: Lines of runtime/ that are not the request path the 38 flat files held (8,530 lines when replaced):
+#: a module moved in from deploy/, and what issue 34 added (logprobs, penalties, response_format, tools).
+NOT_THE_OLD_PATH = {"model_config.py": "moved from deploy/ by the layer contract",
+                    "guided.py": "constrained decoding for response_format and forced tool calls",
+                    "tools.py": "tool calls read back from a chat template's own form",
+                    "onnx_outline.py": "an ONNX file's structure without its weights (load-time checks)"}
+
+
 def test_runtime_modules_and_functions_stay_small():
     total = 0
     for path in RUNTIME.rglob("*.py"):
         text = path.read_text()
-        # model_config.py came from deploy/ (the layer contract), not from the flat files replaced
-        total += 0 if path.name == "model_config.py" else text.count("\n")
-        assert text.count("\n") <= 450, path
+        lines = text.count("\n")
+        total += 0 if path.name in NOT_THE_OLD_PATH else lines
+        assert lines <= LONG_FILES.get(path.relative_to(RUNTIME).as_posix(), (450,))[0], path
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno < 80, (path, node.name)
-    assert total < 8530  # smaller than the 38 flat files it replaced, for the same routes
+    # smaller than the 38 flat files it replaced (8,530) plus the ~250 lines issue 34's OpenAI fields added
+    # to the request types, completions and sampling
+    assert total < 8800, total
 
 
 def test_openapi_documents_every_json_route_with_its_body(server):
