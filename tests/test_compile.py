@@ -31,10 +31,8 @@ def test_a_placed_model_compiles_into_one_graph_with_the_eager_numbers(folders, 
     model = pretrained.load(folders(family), variant).eval()
     move_off_neutral(model, seed=3)
     feeds = placed_feeds(model, batch=3, seq=12)
-    explain = torch._dynamo.explain(model.hf)(**feeds)
-    assert explain.graph_break_count == 0 and explain.graph_count == 1, [str(b.reason)[:200]
-                                                                          for b in explain.break_reasons]
     torch._dynamo.reset()
+    # fullgraph: a graph break is an error naming its reason, so the model ran as one captured graph
     compiled = torch.compile(model.hf, backend="eager", fullgraph=True)
     for scale in (1.0, 1.7):  # other context values: other outputs, from the same graph
         feeds_now = {k: v * scale if v.is_floating_point() else v for k, v in feeds.items()}

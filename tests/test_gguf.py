@@ -1,7 +1,7 @@
 """GGUF in (issue 34): ``attnx export --from-pretrained FILE.gguf`` and ``attnx generate FILE.gguf``, each
 against transformers' own GGUF loader on the same file.
 
-- a tiny Llama GGUF written here (Q8_0 weights, tied embeddings, SmolLM2's tokenizer and chat template):
+- a tiny Llama GGUF written here (Q8_0 weights, tied embeddings, a small BPE with SmolLM2's specials and chat template):
   its with-past export's logits equal transformers' on the GGUF (max abs <= 1e-4), its greedy tokens equal
   transformers' ``generate``, the chat template travels with the export, ``attnx generate FILE.gguf`` prints
   the same text;
@@ -109,7 +109,7 @@ def test_untied_output_weights_stay_untied_and_a_folder_reads_as_its_gguf(tmp_pa
     assert folder.config["tie_word_embeddings"] is False
     host = pretrained.load(folder)
     assert not torch.equal(host.hf.lm_head.weight, host.hf.model.embed_tokens.weight)
-    ids = torch.tensor([[1, 200, 3000, 42]])
+    ids = torch.tensor([[1, 200, 300, 42]])
     with torch.no_grad():
         got = host.hf(input_ids=ids).logits
         want = transformers_of(gguf)(ids).logits

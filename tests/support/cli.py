@@ -8,11 +8,14 @@ state afterwards, and runs the command in ``cwd`` (relative outputs such as ``at
 
 Real subprocesses stay where the process is what a test checks: signals, exit status of the
 interpreter, variants loaded from the environment at start-up, packaging, servers
-(:func:`subprocess_run`, the one helper for those).
+(:func:`subprocess_run`, the one helper for those). A test that kills many commands part-way
+(:func:`forked`) forks each from a server process that imported the CLI once: a real process to kill,
+without paying a fresh interpreter's imports each time.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -100,3 +103,33 @@ def subprocess_popen(*args, env: Mapping[str, str] | None = None, **kwargs) -> s
 
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+# What an export imports before its first step: the forkserver imports it once, every forked command starts past it.
+_FORK_PRELOAD = ["attnx.cli.main", "attnx.export.pretrained", "attnx.export.exporter", "attnx.models.onnx_ops",
+                 "torch.onnx._internal.exporter._core", "torch.export._trace", "torch._functorch.aot_autograd",
+                 "torch._export.passes", "torch._inductor.codegen", "onnxscript.function_libs.torch_lib.ops",
+                 "onnxscript.rewriter", "networkx", "transformers.models.bert.modeling_bert", "tokenizers",
+                 "safetensors.torch"]
+
+
+def _cli_in_child(args: list[str]) -> None:
+    """The child's body: ``attnx ARGS`` with stdout and stderr to /dev/null (a killed command's output is not
+    what is checked); its exit code is the command's."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.environ["NO_COLOR"] = "1"
+    from attnx.cli.main import app
+
+    app(args=args, prog_name="attnx")
+
+
+def forked(*args) -> multiprocessing.process.BaseProcess:
+    """``attnx ARGS`` started as a real process forked from a server that has the CLI imported (the caller
+    kills or joins it; ``exitcode`` is the command's)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORK_PRELOAD)
+    proc = ctx.Process(target=_cli_in_child, args=([str(a) for a in args],), daemon=True)
+    proc.start()
+    return proc
