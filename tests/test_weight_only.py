@@ -1,0 +1,155 @@
+"""``attnx export --with-past --weights int4|int8`` (issue 34, item 2): a decoder's MatMul weights as ONNX Runtime's
+block-wise ``MatMulNBits``, and ``attnx check`` judging it by perplexity and greedy agreement against fp32.
+
+The tiny random Llama of ``tests/hf_folders.py``: its fp32 with-past export is the baseline of every number.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import generation_fixtures as gf
+from attnx.contract import ModelInfo
+from support.cli import run as attnx
+
+BITS = {"int8": 8, "int4": 4}
+
+
+def _export(weights: str):
+    return gf.export(gf.folder("llama"), "mha", weight_only_bits=BITS[weights])
+
+
+def _constant_matmul_weights(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    inits = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    return {n.input[1]: inits[n.input[1]] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits}
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_every_constant_matmul_becomes_matmulnbits_and_its_fp32_weight_goes(weights):
+    bits = BITS[weights]
+    fp32_path, path = gf.export(gf.folder("llama"), "mha"), _export(weights)
+    fp32, quant = onnx.load(str(fp32_path)), onnx.load(str(path))
+    matmuls = _constant_matmul_weights(fp32)
+    assert len(matmuls) == 9  # 2 layers x (packed qkv, o, packed gate/up, down) + lm_head
+    nbits = [n for n in quant.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == len(matmuls) and not _constant_matmul_weights(quant)
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
+    assert {(a["bits"], a["block_size"], a["accuracy_level"]) for a in attrs} == {(bits, 32, 4)}
+    assert all(len(n.input) == 3 for n in nbits)  # symmetric: no zero points
+    names = {t.name for t in quant.graph.initializer}
+    assert not names & set(matmuls)  # no fp32 copy of a quantized weight
+    assert "model.hf.model.embed_tokens.weight" in names  # the embedding's Gather stays fp32
+    # the quantized weights in bytes: bits/8 each plus one fp32 scale per 32
+    weight_bytes = sum(int(np.prod(s)) for s in matmuls.values())
+    expected = fp32_path.stat().st_size - weight_bytes * (4 - bits / 8 - 4 / 32)
+    assert abs(path.stat().st_size - expected) < 0.02 * fp32_path.stat().st_size
+    info = ModelInfo.read(path)
+    assert info.precision == f"{weights}-weights" and info.cache
+    q = info.quantization
+    assert (q["bits"], q["block_size"], q["matmuls"], q["activations"]) == (bits, 32, 9, "fp32")
+    assert json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
+
+
+def test_logits_are_near_fp32_int8_closer_than_int4():
+    from attnx.runtime import TextModel
+
+    fp32 = TextModel(gf.export(gf.folder("llama"), "mha"))
+    ids = fp32.tokenizer.tokenize(["the cat sat on the mat"])[0].ids.tolist()
+    ref, ref_state = fp32.decoder.start(ids)
+    ref_next, _ = fp32.decoder.step(ref_state, [5])
+    scale = np.abs(np.asarray(ref)).max()
+    diffs = {}
+    for weights in BITS:
+        model = TextModel(_export(weights))
+        got, state = model.decoder.start(ids)
+        got_next, _ = model.decoder.step(state, [5])
+        diffs[weights] = max(np.abs(np.asarray(got) - np.asarray(ref)).max(),
+                             np.abs(np.asarray(got_next) - np.asarray(ref_next)).max())
+    # quantized, so not equal; 8 bits within ~1% of the logits' range, 4 bits within ~15%, and 8 closer than 4
+    assert 0 < diffs["int8"] < 0.01 * scale, diffs
+    assert 0 < diffs["int4"] < 0.15 * scale, diffs
+    assert diffs["int8"] < diffs["int4"] / 4, diffs
+
+
+def test_attnx_generate_runs_a_weight_only_folder(tmp_path):
+    path = _export("int4")
+    proc = attnx("generate", str(path.parent), "the cat", "-n", "6", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip()
+
+
+def _hf_perplexity(folder, sentences) -> float:
+    """transformers' own model on each built-in sentence in full: the fp32 reference perplexity."""
+    import transformers
+
+    from attnx.runtime.core.text import TextTokenizer
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    tok = TextTokenizer.from_export(gf.export(folder, "mha"), ModelInfo.read(gf.export(folder, "mha")))
+    nll, n = 0.0, 0
+    for s in sentences:
+        ids = [int(t) for t in tok.tokenize([s])[0].ids]
+        if len(ids) < 2:
+            continue
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        nll -= float(sum(logp[t - 1, ids[t]] for t in range(1, len(ids))))
+        n += len(ids) - 1
+    return float(np.exp(nll / n))
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_attnx_check_reports_perplexity_and_greedy_agreement_against_fp32(tmp_path, weights):
+    from attnx.pretrained.sentences import SENTENCES
+
+    path = _export(weights)
+    proc = attnx("check", str(path), "--no-engine", cwd=tmp_path)
+    assert proc.returncode in (0, 1, 3), proc.stdout + proc.stderr
+    assert "perplexity" in proc.stdout and "greedy" in proc.stdout and "top-1 agreement" in proc.stdout
+    (written,) = (tmp_path / "attnx-out" / "parity").glob("*.parity.json")
+    report = json.loads(written.read_text())
+    assert report["precision"] == f"{weights}-weights"
+    (q,) = report["quality"]
+    # the reference perplexity is transformers' own on the same sentences (the tiny Llama is the original)
+    assert q["reference_perplexity"] == pytest.approx(_hf_perplexity(gf.folder("llama"), SENTENCES), rel=1e-4)
+    assert q["ratio"] == pytest.approx(q["perplexity"] / q["reference_perplexity"]) and q["ratio"] != 1.0
+    assert q["limit"] == {"int8": 1.01, "int4": 1.05}[weights]
+    assert q["passed"] == (q["ratio"] <= q["limit"]) and report["passed"] == (proc.returncode == 0)
+    assert 0 <= q["greedy_identical"] <= q["prompts"] == 4 and 0.5 < q["top1_agreement"] <= 1.0
+    if weights == "int8":  # 8-bit blocks of 32 on these weights: within 1%, and it passes
+        assert q["passed"] and proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--weights", "int4"], "--with-past"),
+    (["--with-past", "--weights", "int4", "--int8"], "--int8"),
+    (["--with-past", "--weights", "int4", "--fp16"], "--fp16"),
+    (["--with-past", "--weights", "int3"], "valid: int4, int8"),
+])
+def test_option_combinations_that_make_no_sense_are_one_line_before_any_work(tmp_path, args, says):
+    out = tmp_path / "w" / "model.onnx"
+    proc = attnx("export", "--from-pretrained", gf.folder("llama"), *args, "-o", out, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert len(proc.errors()) == 1 and says in proc.errors()[0], proc.stderr
+    assert "Traceback" not in proc.output and not out.parent.exists()
+
+
+def test_a_failed_quantization_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
+    import attnx.export.weight_only as w
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("MatMulNBits kernel refused the weight")
+
+    monkeypatch.setattr(w, "quantize_weights", broken)
+    out = tmp_path / "int4" / "model.onnx"
+    proc = attnx("export", "--from-pretrained", gf.folder("llama"), "--with-past", "--weights", "int4", "-o", out,
+                 cwd=tmp_path)
+    assert proc.returncode != 0
+    assert len(proc.errors()) == 1 and "int4 weight-only quantization failed" in proc.errors()[0], proc.stderr
+    assert "refused the weight" in proc.errors()[0] and "Traceback" not in proc.output
+    assert not out.parent.exists() or not any(out.parent.iterdir())
