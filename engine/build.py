@@ -29,7 +29,7 @@ from attnx.contract import (SIDECAR_FORMAT, ModelInfo, default_role, graph_io, m
                             sidecar_path, write_sidecar)
 from attnx.engine.discovery import backend
 from attnx.engine.errors import BuildError, EngineBuildError, PluginLoadError, unique
-from attnx.engine.fp16 import ensure_fp16, precision_of, read_model_info
+from attnx.engine.fp16 import ensure_fp16, fp16_path, precision_of, read_model_info
 from attnx.engine.logger import get_logger, native_stdout_to_stderr
 from attnx.engine.network import ParsedNetwork, custom_nodes, parse_onnx, prepare_attention
 from attnx.engine.plugins import clear_plugin_errors, load_plugins, plugin_errors, resolve_plugin_library
@@ -213,7 +213,9 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
     info, proto = read_model_info(src)  # a corrupt file fails here, before TensorRT sees it
     from attnx.export.staging import check_room, prepare_dir
 
-    engine_path = Path(output) if output else default_engine_path(src)
+    # The default name is the file it is built from: <stem>-fp16.engine for --fp16 of an fp32 file.
+    converts = fp16 and precision_of(info, proto) != "fp16"
+    engine_path = Path(output) if output else default_engine_path(fp16_path(src) if converts else src)
     # An unwritable destination, or one without room for an engine about the model's size, before the build.
     data = src.with_name(src.name + ".data")
     check_room(prepare_dir(engine_path.parent), src.stat().st_size + (data.stat().st_size if data.is_file() else 0),

@@ -75,6 +75,7 @@ def check_servable(folder, max_length: int | None) -> None:
     if max_length is None:
         return
     tok.no_truncation()
+    tok.no_padding()  # a tokenizer.json that pads to a fixed length would count its padding as specials
     specials = len(tok.encode("").ids)  # the special tokens every text gets ([CLS] .. [SEP], <s> ...)
     if max_length <= specials:
         where = ("sentence_bert_config.json's max_seq_length" if folder.sentence_transformer is not None

@@ -74,8 +74,9 @@ def load_reference(path: str | os.PathLike, source: str | os.PathLike | None = N
     return model.eval(), info
 
 
-def check_source(folder: Path, reference: dict, export: Path) -> None:
-    """The source folder's weight files are the ones the export recorded (names, sizes, sha256)."""
+def check_source(folder: Path, reference: dict, export: Path, given: bool = False) -> None:
+    """The source folder's weight files are the ones the export recorded (names, sizes, sha256). ``given``: the
+    folder came from ``--original`` (the error then says that folder is not the export's model)."""
     import hashlib
 
     for entry in reference.get("files") or []:
@@ -91,6 +92,9 @@ def check_source(folder: Path, reference: dict, export: Path) -> None:
                 for chunk in iter(lambda: fh.read(1 << 22), b""):
                     h.update(chunk)
             same = h.hexdigest() == entry["sha256"]
+        if not same and given:
+            raise ContractError(f"{export.name}: --original {folder} is not the model this export was made from "
+                                f"({entry['name']} differs from the one recorded at export: its sha256)")
         if not same:
             raise ContractError(f"{export.name}: {f} changed since the export (its sha256 differs), so it is not the "
                                 "model that was exported: pass the folder it was exported from (--original), or "
@@ -111,7 +115,7 @@ def _from_source(path: Path, info: ModelInfo, weights: Path, source) -> nn.Modul
         raise ContractError(f"{path.name}: its reference weights come from the folder it was exported from, "
                             f"{folder}, which is not there: pass that folder (attnx check --original DIR), or "
                             "re-export with --copy-weights")
-    check_source(folder, info.reference, path)
+    check_source(folder, info.reference, path, given=source is not None)
     try:
         hf = pretrained.load_model(pretrained.read_folder(folder), config["task"])
         if type(hf).__name__ != config["architecture"]:
@@ -127,7 +131,8 @@ def _from_source(path: Path, info: ModelInfo, weights: Path, source) -> nn.Modul
         own = sorted(set(host.state_dict()) - host.pretrained_names)
         host.load_state_dict(read_checkpoint(host, weights, required=own, what="export's placement"), strict=False)
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
-        raise ContractError(f"{path}: cannot rebuild its reference from {folder} ({e})") from None
+        where = f"--original {folder}" if source else str(folder)
+        raise ContractError(f"{path}: cannot rebuild its reference from {where} ({e})") from None
     model = host
     if config.get("attention_outputs") or config.get("head_mask"):
         from attnx.export.attention_outputs import WithAttentionOutputs
