@@ -55,6 +55,38 @@ def test_every_constant_matmul_becomes_matmulnbits_and_its_fp32_weight_goes(weig
     assert json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_stored_blocks_dequantize_to_the_fp32_weights_within_half_a_step(weights):
+    """MatMulNBits' own layout read back by hand: B [N, blocks, 32 * bits / 8] (low nibble first), one scale per
+    block, zero point 2^(bits-1). Each block's step is its largest |w| / 2^(bits-1) and every weight is within half
+    a step (round to nearest); only the top code 2^(bits-1)-1 may clip up to one step (the largest |w| takes -2^(bits-1))."""
+    from onnx import numpy_helper
+
+    bits, half = BITS[weights], 2 ** (BITS[weights] - 1)
+    fp32, quant = onnx.load(str(gf.export(gf.folder("llama"), "mha"))), onnx.load(str(_export(weights)))
+    weight_of = {n.output[0]: numpy_helper.to_array(next(t for t in fp32.graph.initializer if t.name == n.input[1]))
+                 for n in fp32.graph.node if n.op_type == "MatMul" and n.input[1] in _constant_matmul_weights(fp32)}
+    inits = {t.name: numpy_helper.to_array(t) for t in quant.graph.initializer}
+    checked = 0
+    for node in (n for n in quant.graph.node if n.op_type == "MatMulNBits"):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        w = weight_of[node.output[0]]  # [K, N]
+        K, N, blocks = attrs["K"], attrs["N"], -(-attrs["K"] // 32)
+        assert w.shape == (K, N)
+        packed = inits[node.input[1]]
+        codes = np.stack([packed & 15, packed >> 4], -1) if bits == 4 else packed
+        q = codes.reshape(N, blocks, 32).astype(np.int32) - half  # [N, blocks, 32]
+        step = inits[node.input[2]].reshape(N, blocks, 1)
+        w_blocks = np.zeros((N, blocks * 32), np.float32)
+        w_blocks[:, :K] = w.T
+        w_blocks = w_blocks.reshape(N, blocks, 32)
+        np.testing.assert_allclose(np.abs(step), np.abs(w_blocks).max(-1, keepdims=True) / half, rtol=1e-6)
+        err = np.abs(q * step - w_blocks) / np.abs(step)
+        assert err.max() <= 1 + 1e-5 and err[q < half - 1].max() <= 0.5 + 1e-5, (node.name, err.max())
+        checked += 1
+    assert checked == 9
+
+
 def test_logits_are_near_fp32_int8_closer_than_int4():
     from attnx.runtime import TextModel
 
@@ -70,9 +102,11 @@ def test_logits_are_near_fp32_int8_closer_than_int4():
         got_next, _ = model.decoder.step(state, [5])
         diffs[weights] = max(np.abs(np.asarray(got) - np.asarray(ref)).max(),
                              np.abs(np.asarray(got_next) - np.asarray(ref_next)).max())
-    # quantized, so not equal; 8 bits within ~1% of the logits' range, 4 bits within ~15%, and 8 closer than 4
-    assert 0 < diffs["int8"] < 0.01 * scale, diffs
-    assert 0 < diffs["int4"] < 0.15 * scale, diffs
+    # Quantized, so not equal. Measured on this tiny random Llama (largest |logit| ~3.6, 3 prompts): int8
+    # 2.0-3.3% of it (1.4-2.1% with accuracy_level 0: the int8 activations add the rest), int4 23-32%, int4
+    # ~10x int8. Bounds with ~2x margin; a wrong scale, transposition or nibble order is >= 100%.
+    assert 0 < diffs["int8"] < 0.06 * scale, (diffs, scale)
+    assert 0 < diffs["int4"] < 0.6 * scale, (diffs, scale)
     assert diffs["int8"] < diffs["int4"] / 4, diffs
 
 
