@@ -110,6 +110,44 @@ def test_logits_are_near_fp32_int8_closer_than_int4():
     assert diffs["int8"] < diffs["int4"] / 4, diffs
 
 
+def _tie_embeddings(folder) -> None:
+    """The Llama folder with ``tie_word_embeddings`` (SmolLM2's layout): no lm_head weight of its own."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
+def test_a_tied_lm_head_is_quantized_as_its_own_copy_and_the_embedding_stays_fp32():
+    """A tied lm_head is exported as MatMul(x, Transpose(embedding)): quantized too (it is the largest weight a
+    small model reads per token), from a transposed copy, while the Gather keeps reading the fp32 table."""
+    from attnx.runtime import TextModel
+
+    tied = gf.exports.hf_folder("llama", edit=_tie_embeddings, tag="tied-embeddings")
+    fp32_path, path = gf.export(tied, "mha"), gf.export(tied, "mha", weight_only_bits=4)
+    fp32, quant = onnx.load(str(fp32_path)), onnx.load(str(path))
+    inits = {t.name for t in fp32.graph.initializer}
+    (embed,) = {n.input[0] for n in fp32.graph.node if n.op_type == "Gather" and n.input[0] in inits}  # the table
+    transposes = {n.output[0] for n in fp32.graph.node if n.op_type == "Transpose" and n.input[0] == embed}
+    assert len(_constant_matmul_weights(fp32)) == 8  # the head is not a constant MatMul here ...
+    assert [n for n in fp32.graph.node if n.op_type == "MatMul" and n.input[1] in transposes]  # ... but this
+    nbits = [n for n in quant.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 9 and not [n for n in quant.graph.node if n.op_type in ("MatMul", "Transpose")
+                                    and embed in n.input]
+    assert [n for n in quant.graph.node if n.op_type == "Gather" and n.input[0] == embed]  # fp32 table, read by row
+    assert {t.name: t.data_type for t in quant.graph.initializer}[embed] == onnx.TensorProto.FLOAT
+    info = ModelInfo.read(path)
+    assert info.quantization["matmuls"] == 9 and "tied_lm_head" in info.quantization
+    # and it still computes the tied model: int4 logits as near fp32 as the untied model's (bound as above)
+    ref_model, model = TextModel(fp32_path), TextModel(path)
+    ids = ref_model.tokenizer.tokenize(["the cat sat on the mat"])[0].ids.tolist()
+    ref, got = np.asarray(ref_model.decoder.start(ids)[0]), np.asarray(model.decoder.start(ids)[0])
+    assert 0 < np.abs(got - ref).max() < 0.6 * np.abs(ref).max()
+
+
 def test_attnx_generate_runs_a_weight_only_folder(tmp_path):
     path = _export("int4")
     proc = attnx("generate", str(path.parent), "the cat", "-n", "6", cwd=tmp_path)
