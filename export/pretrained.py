@@ -140,15 +140,20 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
                       lowering: str = "plugin", fp16: bool = False, profiles: dict | None = None,
                       folder_out: str | Path = "attnx-out", attention_outputs=None, head_mask: bool = False,
                       progress: Progress | None = None, fuse: bool = True, with_past: bool = False,
-                      copy_weights: bool = False, int8_weight_bits: int | None = None) -> ExportResult:
+                      copy_weights: bool = False, int8_weight_bits: int | None = None,
+                      weight_only_bits: int | None = None) -> ExportResult:
     """Load ``source`` (a folder path) with ``variant`` placed in it and export it (see module doc).
-    ``with_past``: a causal LM that generates, its KV cache in and out (:mod:`attnx.export.with_past`)."""
+    ``with_past``: a causal LM that generates, its KV cache in and out (:mod:`attnx.export.with_past`);
+    ``weight_only_bits`` (4 or 8, with ``with_past``): its MatMul weights block-quantized (:mod:`attnx.export.weight_only`)."""
     from attnx import pretrained
     from attnx.pretrained.host import check_task, task_of
 
     step = progress or (lambda name, done=None, total=None: None)
     if variant is not None and not str(variant).strip():
         raise ValueError("the variant name is empty; valid variants: see `attnx variants` (default mha)")
+    if weight_only_bits is not None and (not with_past or fp16 or int8_weight_bits is not None):
+        raise ValueError("weight-only quantization (MatMulNBits) is for an fp32 --with-past decoder: not with "
+                         "--fp16 or --int8, nor for a full-sequence export")
     folder = pretrained.read_folder(source)
     name = variant or (folder.placement or {}).get("variant") or "mha"
     chosen = check_task(task) if task else task_of(folder.architectures)
@@ -170,7 +175,7 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
     whole_folder = with_past and _export_folder(path)
     with Staging(path.parent if whole_folder else path, folder=whole_folder, owned=owned) as stage:
         check_room(path.parent if path.parent.exists() else stage.dest,
-                   _weights_estimate(folder, fp16, int8_weight_bits is not None))
+                   _weights_estimate(folder, fp16, int8_weight_bits is not None or weight_only_bits is not None))
         step("load")
         host = pretrained.load(folder, variant, layers=layers, append=append, options=options, checkpoint=checkpoint,
                                task=task)
@@ -196,7 +201,7 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
         result = export_encoder(host, path, lowering=lowering, fp16=fp16, profiles=profiles, progress=step,
                                 tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
                                 fuse=fuse, staging=stage, weight_names=own, reference=reference,
-                                int8_weight_bits=int8_weight_bits)
+                                int8_weight_bits=int8_weight_bits, weight_only_bits=weight_only_bits)
         result.notes = list(folder.notes)
         if with_past:
             result.notes += past.finish(stage.path(path.name), result.info, folder.config,

@@ -175,6 +175,13 @@ def render_generation(report, console, report_path: Path | None = None) -> None:
                       f"{t['differ']} differ" + (f", {t['ties']} tie(s)" if t["ties"] else ""),
                       "[green]ok[/green]" if t["passed"] else "[red]FAIL[/red]")
     console.print(table)
+    for q in getattr(report, "quality", []):  # a weight-only quantized file against its fp32 reference
+        mark = "[green]ok[/green]" if q["passed"] else "[red]FAIL[/red]"
+        console.print(f"{q['runner']} vs fp32: perplexity {q['perplexity']:.3f} vs {q['reference_perplexity']:.3f} "
+                      f"(ratio {q['ratio']:.4f}, limit {q['limit']}) on {q['sentences']} built-in sentences "
+                      f"({q['tokens']} tokens) {mark}; greedy: {q['greedy_identical']}/{q['prompts']} prompts "
+                      f"identical over {q['greedy_tokens']} tokens (common prefix {q['greedy_common_prefix']:.1f}), "
+                      f"top-1 agreement {q['top1_agreement']:.1%} of teacher-forced steps", highlight=False)
     for note in report.notes:
         console.print(f"[dim]{escape(note)}[/dim]", highlight=False)
     if report.engine_unchecked:
