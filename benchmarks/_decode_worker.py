@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 
@@ -169,9 +168,13 @@ KINDS = {"attnx": attnx, "llama-cpp": llama_cpp, "genai": genai, "ct2": ct2, "tr
 
 
 def rss() -> dict:
+    """This process's peak and current RSS. The peak is VmHWM, not ``ru_maxrss``: Linux carries
+    ``ru_maxrss`` over fork and exec, so a worker started by a big parent reported the parent's peak."""
     with open("/proc/self/statm") as f:
         now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "now": now}
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return {"peak": hwm, "now": now}
 
 
 def main() -> None:
