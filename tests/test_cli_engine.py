@@ -34,11 +34,15 @@ def attnx_with(fakes: Path, *args, cwd: Path, env: dict | None = None):
 
 
 def _workdir(res, tmp: Path) -> Path:
-    """A project folder whose attnx-out/ holds a copy of the export and its weights."""
+    """A project folder whose attnx-out/ holds a copy of the export and its weights (and the other lowering
+    a check of it re-exports: :func:`support.exports.check_workdir`)."""
+    from support.exports import check_workdir
+
     out = tmp / "attnx-out"
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(res.path, out / f"{res.info.variant}.onnx")
     shutil.copy(res.weights_path, out / res.info.weights)
+    check_workdir(out / f"{res.info.variant}.onnx", out)
     return tmp
 
 

@@ -84,11 +84,10 @@ def _unique_param_bytes(folder: Path, per: int) -> int:
 # --------------------------------------------------------------------------- weights stored once
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
-def test_tied_embedding_is_one_tensor_and_the_file_is_its_weights(llama, tmp_path, precision):
-    from attnx.export.pretrained import export_pretrained
+def test_tied_embedding_is_one_tensor_and_the_file_is_its_weights(llama, precision):
+    from support.exports import pretrained
 
-    res = export_pretrained(llama, tmp_path / "m.onnx", fp16=precision == "fp16",
-                            int8_weight_bits=7 if precision == "int8" else None)
+    res = pretrained(llama, None, fp16=precision == "fp16", int8_weight_bits=7 if precision == "int8" else None)
     inits = _initializers(res.path)
     cfg = json.loads((llama / "config.json").read_text())
     table = [t for t in inits if sorted(t.dims) == sorted([cfg["vocab_size"], cfg["hidden_size"]])]
@@ -103,12 +102,12 @@ def test_tied_embedding_is_one_tensor_and_the_file_is_its_weights(llama, tmp_pat
         assert held <= 1.02 * _unique_param_bytes(llama, per)
 
 
-def test_tied_export_computes_transformers_logits(llama, tmp_path):
+def test_tied_export_computes_transformers_logits(llama):
     import onnxruntime as ort
 
-    from attnx.export.pretrained import export_pretrained
+    from support.exports import pretrained
 
-    res = export_pretrained(llama, tmp_path / "m.onnx")
+    res = pretrained(llama, None)
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 400, (3, 12)).astype(np.int64)
     mask = np.ones_like(ids)

@@ -15,6 +15,7 @@ against transformers' own GGUF loader on the same file.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -139,6 +140,43 @@ def test_untied_output_weights_stay_untied_and_a_folder_reads_as_its_gguf(tmp_pa
     assert torch.equal(got, want)
 
 
+MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _transformers_on(gguf: Path) -> tuple[list[int], np.ndarray, str]:
+    """transformers' own loaders on ``gguf``: the prompt's ids, its logits and the rendered chat. Kept in the
+    test cache (keyed on the file's content and the library versions): transformers reads the real GGUF's
+    49k-token vocabulary and dequantizes it in ~35 s, the same numbers every run."""
+    import inspect
+    import json
+
+    from support import cache
+
+    def make(out: Path) -> None:
+        tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        ids = tok(PROMPT)["input_ids"]
+        with torch.no_grad(), _one_thread():
+            logits = transformers_of(gguf)(torch.tensor([ids])).logits.numpy()
+        np.save(out, logits)
+        out.with_name("tokens.json").write_text(json.dumps(
+            {"ids": ids, "chat": tok.apply_chat_template(MESSAGES, tokenize=False)}))
+
+    path = cache.entry("logits.npy", make, kind="transformers-on-gguf", gguf=cache.file_hash(gguf), prompt=PROMPT,
+                       messages=MESSAGES, code=inspect.getsource(make) + inspect.getsource(transformers_of))
+    tokens = json.loads(path.with_name("tokens.json").read_text())
+    return tokens["ids"], np.load(path), tokens["chat"]
+
+
 def test_the_real_smollm2_gguf_dequantizes_to_transformers_model():
     """The folder attnx exports from computes what transformers computes on the GGUF, to the bit."""
     from attnx import pretrained
@@ -148,14 +186,12 @@ def test_the_real_smollm2_gguf_dequantizes_to_transformers_model():
     assert folder.config["architectures"] == ["LlamaForCausalLM"] and folder.config["tie_word_embeddings"]
     mine = transformers.AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
     assert mine.lm_head.weight.data_ptr() == mine.model.embed_tokens.weight.data_ptr()
-    ref = transformers_of(real)
-    tok = transformers.AutoTokenizer.from_pretrained(real.parent, gguf_file=real.name)
-    ids = torch.tensor([tok(PROMPT)["input_ids"]])
-    with torch.no_grad():
-        assert torch.equal(mine(ids).logits, ref(ids).logits)
+    ids, logits, chat = _transformers_on(real)
     saved = transformers.AutoTokenizer.from_pretrained(folder.path)
-    messages = [{"role": "user", "content": "What is 2+2?"}]
-    assert saved.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
+    assert saved(PROMPT)["input_ids"] == ids
+    with torch.no_grad(), _one_thread():  # as the cached logits were computed: the same sums in the same order
+        assert torch.equal(mine(torch.tensor([ids])).logits, torch.from_numpy(logits))
+    assert saved.apply_chat_template(MESSAGES, tokenize=False) == chat
     assert pretrained.read_folder(real).path == folder.path  # built once, then reused
 
 

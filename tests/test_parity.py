@@ -19,6 +19,7 @@ from attnx import engine as eng
 from attnx import parity
 from attnx.contract import ContractError
 from attnx.models import VARIANTS, get_spec
+from support.exports import check_workdir
 
 
 def _tie_output(variant: str):
@@ -59,7 +60,7 @@ def test_check_passes_on_every_variant(exported, tmp_path, variant, fp16):
     path = res.path
     if fp16:
         path, _ = eng.ensure_fp16(_copy_export(res, tmp_path / "m"))
-    report = parity.run_check(path, workdir=tmp_path)
+    report = parity.run_check(path, workdir=check_workdir(path, tmp_path))
     assert report.passed, report.mismatches()
     precision = "fp16" if fp16 else "fp32"
     assert report.precision == precision
@@ -112,7 +113,7 @@ def test_check_fails_on_small_fp16_drift_through_the_mean(exported, tmp_path):
 
 def test_report_json(exported, tmp_path):
     res = exported("smal")
-    report = parity.run_check(res.path, workdir=tmp_path, case_specs=["2x9", "1x3"])
+    report = parity.run_check(res.path, workdir=check_workdir(res.path, tmp_path), case_specs=["2x9", "1x3"])
     path = report.write(tmp_path / "r" / "parity.json")
     data = json.loads(path.read_text())
     assert data["passed"] is True and data["verdict"] == "pass"
@@ -133,7 +134,7 @@ def test_engine_is_verified_and_reported_where_it_cannot_run(exported, tmp_path)
     res = exported(TIE_VARIANT)
     path = _copy_export(res, tmp_path / "m")
     built = eng.build(path, shapes={"batch": (1, 2, 3), "seq": (1, 8, 20)})
-    report = parity.run_check(path, engine=built.engine_path, workdir=tmp_path)
+    report = parity.run_check(path, engine=built.engine_path, workdir=check_workdir(path, tmp_path))
     assert report.passed
     assert report.engine["ran"] is False and "no CUDA GPU" in report.engine["reason"]
     engine_runner = next(r for r in report.runners if r["name"] == "tensorrt")
@@ -313,7 +314,7 @@ def test_engine_runner_joins_the_comparison_where_it_can_run(exported, tmp_path,
 
     monkeypatch.setattr(eng.runner, "runnable_here", lambda sidecar: (True, ""))
     monkeypatch.setattr(parity.EngineRunner, "open", fake_open)
-    report = parity.run_check(path, engine=built.engine_path, workdir=tmp_path)
+    report = parity.run_check(path, engine=built.engine_path, workdir=check_workdir(path, tmp_path))
     assert report.engine["ran"] is True and opened and opened[0].closed
     trt = {c.output: c for c in report.comparisons if c.runner == "tensorrt"}
     assert set(trt) == {"output", TIE_OUTPUT}

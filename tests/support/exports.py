@@ -127,3 +127,35 @@ def linked_copy(path: Path, folder: Path) -> Path:
         else:
             link(str(item), str(folder / item.name))
     return folder / Path(path).name
+
+
+def check_workdir(path: Path, folder: Path) -> Path:
+    """``folder`` as the ``workdir`` of ``attnx check`` on the attnx encoder ``path``, its ``parity/`` already
+    holding the other lowering that check re-exports from the reference (from the cache, keyed on the file and
+    its weights): what a second ``attnx check`` in the same workdir gets. The re-export itself is tested where
+    a test passes a workdir of its own."""
+    import shutil
+
+    from attnx.contract import ModelInfo, sha256_file
+    from attnx.export.reference import load_reference
+    from attnx.parity.check import _other_lowering_file
+
+    path = Path(path)
+    info = ModelInfo.read(path)
+    weights = path.parent / info.weights
+    other = "rewrite" if info.lowering == "plugin" else "plugin"
+    name = f"{path.stem.removesuffix('-' + info.lowering)}-{other}.onnx"
+
+    def make(out: Path) -> None:
+        model, info_ = load_reference(path)
+        made, _ = _other_lowering_file(model, info_, path, out.parent, sha256_file(weights))
+        assert made == out, (made, out)
+
+    cached_file = cache.entry(name, make, kind="other-lowering", model=cache.file_hash(path),
+                              weights=cache.file_hash(weights))
+    parity = Path(folder) / "parity"
+    parity.mkdir(parents=True, exist_ok=True)
+    for item in cached_file.parent.iterdir():
+        if item.name.startswith(name):  # the file, its .key stamp (and its .data, if any)
+            shutil.copy2(item, parity / item.name)
+    return Path(folder)
