@@ -100,6 +100,8 @@ def test_check_fails_on_perturbed_weights(exported, tmp_path):
 
 
 def test_demo_one_variant(rtx, tmp_path):
+    """`attnx demo --toy` for one variant: export, fp16 engine (its plugins), check, all passing (the demo
+    path is the same for every variant; `make demo` runs the real MiniLM)."""
     proc = attnx("demo", "--toy", "--workdir", tmp_path / "demo", "--variants", "maw", "--set", "d_model=32",
                  cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -7,7 +7,6 @@ The whole real demo (two exports, checks, engines: ~3 min) is not run here; its 
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import subprocess
 import sys
@@ -130,18 +129,6 @@ def test_example_client_unknown_model_is_one_line(server):
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--model", "nope", "--url", server.address],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "unknown model 'nope'" in proc.stderr
-
-
-def test_toy_demo_still_runs_one_variant(tmp_path):
-    from attnx import engine, plugins
-
-    proc = attnx("demo", "--toy", "--workdir", tmp_path / "demo", "--variants", "smal", "--set", "d_model=32",
-                 cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "attnx demo: smal" in proc.stdout and "pass" in proc.stdout
-    assert json.loads((tmp_path / "demo" / "parity" / "smal-fp16.parity.json").read_text())["passed"]
-    if engine.is_available() and engine.backend().is_rtx and plugins.library_path() is not None:
-        assert (tmp_path / "demo" / "smal-fp16.engine").is_file() and "2 of 2" in proc.stdout
 
 
 @pytest.mark.parametrize("args, words", [
