@@ -158,8 +158,8 @@ def register(app: typer.Typer) -> None:
                                                        "VNNI, AMX or ARM: AVX2 without VNNI saturates them)."),
         weights: Optional[str] = typer.Option(None, "--weights", help="With --with-past: int4 | int8 weight-only "
                                               "quantization of the decoder's MatMul weights (ONNX Runtime's MatMulNBits, "
-                                              "symmetric blocks of 32, as onnxruntime-genai writes); activations stay "
-                                              "fp32, no calibration. Decode reads ~4x (int8) / ~6x (int4) fewer bytes."),
+                                              "blocks of 32: int8 asymmetric; int4 symmetric, its lm_head at 8 bits); "
+                                              "no calibration. Decode reads ~3.5x (int8) / ~5x (int4) fewer bytes."),
         no_fuse: bool = typer.Option(False, "--no-fuse", help="Skip the exact graph fusions (packed Q/K/V, 3-D "
                                      "attention), e.g. to compare against them."),
         sets: List[str] = typer.Option([], "--set", help="Config option key=value (repeatable); see `attnx variants`."),
