@@ -29,8 +29,6 @@ Public names (see docs/embedding.md for a service embedding them):
   the ``serve`` extra.
 """
 
-from attnx.runtime.core.batcher import BatcherClosedError, BatcherConfig, DynamicBatcher, QueueFullError, \
-    RequestTimeoutError
 from attnx.runtime.core.encode import TextModel
 from attnx.runtime.core.layout import BatchLayout
 from attnx.runtime.core.session import InputError, Session, TensorSpec, load
@@ -39,10 +37,18 @@ __all__ = ["load", "Session", "TensorSpec", "InputError", "DynamicBatcher", "Bat
            "QueueFullError", "RequestTimeoutError", "BatcherClosedError", "InferenceServer", "TextModel"]
 
 
+_BATCHER = ("DynamicBatcher", "BatcherConfig", "QueueFullError", "RequestTimeoutError", "BatcherClosedError")
+
+
 def __getattr__(name: str):
-    # The server pulls in FastAPI/uvicorn/prometheus: import it only when asked for.
+    # Imported when asked for: the server pulls in FastAPI/uvicorn/prometheus, the batcher asyncio (and with it
+    # ssl, sockets, subprocess: ~6 MB and 0.2 s that a process which only loads and runs a model never uses).
     if name == "InferenceServer":
         from attnx.runtime.server import InferenceServer
 
         return InferenceServer
+    if name in _BATCHER:
+        from attnx.runtime.core import batcher
+
+        return getattr(batcher, name)
     raise AttributeError(f"module 'attnx.runtime' has no attribute {name!r}")
