@@ -165,17 +165,30 @@ def test_smal_rewrite_is_attention_with_per_key_bias(exported):
     {"bias_mode": "key", "fusion": "gated", "lambda_mode": "mlp"},
     {"bias_mode": "query", "fusion": "gated"},
 ])
-def test_cultural_modes(tmp_path, overrides):
+def test_cultural_modes(overrides):
+    import inspect
+
     from attnx.export import export_encoder
     from attnx.models import build_encoder
+    from support import cache
+    from support.exports import cached
 
-    model = build_encoder("cultural", d_model=32, n_heads=4, n_layers=2, **overrides)
-    torch.manual_seed(0)
-    with torch.no_grad():  # make lambda and gates matter (off their neutral start)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    def perturbed():
+        model = build_encoder("cultural", d_model=32, n_heads=4, n_layers=2, **overrides)
+        torch.manual_seed(0)
+        with torch.no_grad():  # make lambda and gates matter (off their neutral start)
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        return model
+
     for lowering in ("plugin", "rewrite"):
-        result = export_encoder(model, tmp_path / f"{lowering}.onnx", lowering=lowering)
+        # from the export cache (keyed on this code): the reference is rebuilt from the perturbed weights beside it
+        path = cache.entry(f"cultural-{lowering}.onnx", lambda out, lw=lowering: export_encoder(perturbed(), out,
+                                                                                            lowering=lw),
+                           kind="cultural-perturbed", overrides=overrides, lowering=lowering,
+                           code=inspect.getsource(perturbed))
+        result = cached(path)
+        assert {k: result.config["attention"]["cultural"][k] for k in overrides} == overrides  # the modes it meant
         ref, got, _ = run_both(result, 2, 7)
         assert max_err(ref[0], got[0]) <= 1e-4
 
