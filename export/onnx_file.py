@@ -10,7 +10,9 @@ a transposed, packed or fp16 weight) or memory-mapped from a file (``ir.External
   computed from the tensors' sizes, then each tensor's bytes follow its header), never serialised
   into one in-memory message;
 - beyond it, the graph in ``<name>.onnx`` and the weights in ``<name>.onnx.data`` (ONNX external data,
-  large tensors at page-aligned offsets so ONNX Runtime can memory-map them).
+  large tensors at page-aligned offsets so ONNX Runtime can memory-map them). A with-past decoder is
+  always written so (``external=True``; onnxruntime-genai's layout): a mapped file loads without a second
+  copy of its weights.
 
 :func:`check` runs onnx's full checker and strict shape inference on the graph with the large weights
 standing in as typed inputs (their values are never read by either; the small ones stay, shape

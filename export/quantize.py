@@ -385,5 +385,5 @@ def quantize_file(src, dst, smoothing: bool = True, weight_bits: int = 7) -> int
         }
         info.write(out)
     onnx.checker.check_model(out)
-    save_model(out, Path(dst))
+    save_model(out, Path(dst), external=True if info is not None and info.cache else None)
     return count

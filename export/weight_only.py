@@ -210,5 +210,5 @@ def quantize_weights(src, dst, bits: int, block_size: int = BLOCK_SIZE) -> int:
             info.quantization["tied_lm_head"] = "quantized as its own transposed copy (the Gather keeps the fp32 table)"
         info.write(out)
     onnx.checker.check_model(out)
-    save_model(out, Path(dst))
+    save_model(out, Path(dst), external=True)  # a with-past decoder: weights in <name>.data, as its fp32 file
     return count

@@ -114,6 +114,9 @@ def linked_copy(path: Path, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
 
     def link(src: str, dst: str) -> None:
+        if src.endswith(".data"):  # onnx refuses external data with several links ("a potential hardlink attack")
+            shutil.copy2(src, dst)
+            return
         try:
             os.link(src, dst)
         except OSError:
