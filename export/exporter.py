@@ -21,8 +21,10 @@ pretrained hosts that place a variant in a real model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +132,56 @@ def _quiet_torch_exporter():
             lg.setLevel(level)
 
 
+try:  # torch's exporter internals, for the shared registry below (absent in other versions: no sharing)
+    from torch.onnx._internal.exporter import _constants as _torch_onnx_constants
+    from torch.onnx._internal.exporter import _registration
+    _TORCHLIB_OPSET = _torch_onnx_constants.TORCHLIB_OPSET
+except (ImportError, AttributeError):  # pragma: no cover
+    _registration, _TORCHLIB_OPSET = None, 18
+_REGISTRY_LOCK = threading.Lock()
+
+
+#: torch's own method, bound before any export replaces it for its duration.
+_FROM_TORCHLIB = getattr(getattr(_registration, "ONNXRegistry", None), "from_torchlib", None)
+
+
+@functools.cache
+def _torchlib_registry(opset: int):
+    return _FROM_TORCHLIB(opset_version=opset)
+
+
+@contextlib.contextmanager
+def _shared_torchlib_registry():
+    """torch's exporter builds its registry of the ~2,000 torchlib functions on every call (about a second,
+    a fifth of a small model's export): build it once per process, give each export a copy of its own (the
+    custom translations are added to the copy)."""
+    cls = getattr(_registration, "ONNXRegistry", None)
+    original = cls.__dict__.get("from_torchlib") if cls is not None else None
+    if (_FROM_TORCHLIB is None or not isinstance(original, classmethod)
+            or not isinstance(getattr(cls(), "functions", None), dict)):
+        yield
+        return
+
+    def from_torchlib(opset_version=_TORCHLIB_OPSET):
+        base = _torchlib_registry(opset_version)
+        registry = cls()
+        registry._opset_version = base._opset_version
+        registry.functions = {target: list(metas) for target, metas in base.functions.items()}
+        return registry
+
+    with _REGISTRY_LOCK:  # one export at a time replaces it (torch.export's tracing is not concurrent either)
+        cls.from_torchlib = staticmethod(from_torchlib)
+        try:
+            yield
+        finally:
+            cls.from_torchlib = original
+
+
 # --------------------------------------------------------------------------- the graph
+
+#: Above these weights an export collects the traced programs' reference cycles before optimising.
+GC_AFTER_TRACE_BYTES = 32 << 20
+
 
 def _trace(wrapper, args, dynamic_shapes, inputs, profiles: dict):
     """``torch.export`` with dynamic batch and seq. A model whose code only holds from some length on
@@ -177,7 +228,7 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
     wrapper = _Positional(model, input_names, output_names)
     args = tuple(feeds[n] for n in input_names)
     path_name = "plugin" if lowering == "plugin" else "fast"
-    with attention_path(path_name), torch.no_grad(), _quiet_torch_exporter():
+    with attention_path(path_name), torch.no_grad(), _quiet_torch_exporter(), _shared_torchlib_registry():
         program, profiles = _trace(wrapper, args, dynamic_shapes, inputs, profiles)
 
         step("translate")
@@ -186,7 +237,10 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
                                          optimize=False, verbose=False)
     graph = onnx_program.model
     del onnx_program, program
-    gc.collect()  # the traced programs (FX graphs hold reference cycles): memory for the steps that follow
+    if estimate_bytes(model) > GC_AFTER_TRACE_BYTES:
+        # The traced programs (FX graphs hold reference cycles): memory for the steps that follow. A full
+        # collection costs ~0.5 s in a process holding torch and transformers, more than a small model frees.
+        gc.collect()
 
     step("optimise")
     passes.fold_constants(graph)

@@ -294,3 +294,22 @@ def test_export_leaves_the_model_unchanged(tmp_path):
         assert current_path() == "fast"  # the exporter's attention path is undone
         with torch.no_grad():
             assert torch.equal(model(**feeds), before)
+
+
+def test_exports_share_torchs_function_registry_but_not_their_custom_translations():
+    """torch builds its registry of torchlib functions once per process under attnx's exporter (not once
+    per export); each export still gets a registry of its own, and torch's method is back afterwards."""
+    from torch.onnx._internal.exporter import _registration
+
+    from attnx.export import exporter
+
+    original = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    fresh = _registration.ONNXRegistry.from_torchlib(opset_version=23)
+    with exporter._shared_torchlib_registry():
+        first = _registration.ONNXRegistry.from_torchlib(opset_version=23)
+        assert first.opset_version == 23 and first.functions.keys() == fresh.functions.keys()
+        target = next(iter(first.functions))
+        first.functions[target].append("a custom translation of one export")
+        second = _registration.ONNXRegistry.from_torchlib(opset_version=23)
+        assert second.functions[target] == fresh.functions[target] and second is not first
+    assert _registration.ONNXRegistry.__dict__["from_torchlib"] is original
