@@ -15,7 +15,8 @@ tokenizer folder, ...), keyed on everything the result depends on:
 The cache lives outside the checkout (``$ATTNX_TEST_CACHE``, default ``~/.cache/attnx/test-exports``),
 so a fresh clone reuses what an earlier run made. xdist workers share it: a file lock per entry makes
 the second worker wait for the first one's export instead of repeating it; entries appear by an atomic
-rename of a staging folder, so a killed run leaves no half entry. Entries unused for a week are pruned.
+rename of a staging folder, so a killed run leaves no half entry. Entries unused for a week are pruned,
+those of other exporter sources after a day.
 Tests must not modify files of a cached export (copy it to ``tmp_path`` first).
 """
 
@@ -43,6 +44,7 @@ MODEL_TEST_MODULES = ("toy_variant.py", "hf_folders.py")
 LIBRARIES = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers",
              "sentence-transformers", "safetensors", "numpy")
 KEEP_SECONDS = 7 * 24 * 3600
+KEEP_OTHER_CODE_SECONDS = 24 * 3600
 
 
 def cache_root() -> Path:
@@ -131,8 +133,18 @@ def entry(name: str, make: Callable[[Path], Any], **key: Any) -> Path:
     return final / name
 
 
+def _other_code(entry: Path) -> bool:
+    """The entry was made by other exporter sources than this checkout's (a change makes ~3 GB of them)."""
+    try:
+        return json.loads((entry / "key.json").read_text()).get("code") != code_hash()
+    except (OSError, ValueError):
+        return False
+
+
 def prune(now: float | None = None) -> None:
-    """Remove entries unused for :data:`KEEP_SECONDS` and staging folders of killed runs (an hour old)."""
+    """Remove entries unused for :data:`KEEP_SECONDS`, or for :data:`KEEP_OTHER_CODE_SECONDS` when other
+    exporter sources made them (another branch may still want them for a while), and staging folders of
+    killed runs (an hour old)."""
     now = now or time.time()
     root = cache_root()
     for path in root.iterdir():
@@ -140,7 +152,10 @@ def prune(now: float | None = None) -> None:
             age = now - path.stat().st_mtime
         except FileNotFoundError:
             continue
-        stale = age > 3600 if path.name.startswith(".staging-") else age > KEEP_SECONDS
+        if path.name.startswith(".staging-"):
+            stale = age > 3600
+        else:
+            stale = age > KEEP_SECONDS or (age > KEEP_OTHER_CODE_SECONDS and path.is_dir() and _other_code(path))
         if stale and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif stale and path.suffix == ".lock":
