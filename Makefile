@@ -20,9 +20,12 @@ help:
 	@echo "make bench    - the benchmarks under benchmarks/"
 
 # The environment: what the demo needs ($(DEMO_STAMP)), or that and the test tools in one resolution ($(STAMP)).
-# pip byte-compiles what it installs: with PYTHONDONTWRITEBYTECODE set (as on CI here) nothing else would, and
-# every process, each of the tests' CLI subprocesses included, would compile torch from source again.
-PIP = $(PY) -m pip install -q -c constraints-dev.txt
+# pip does not byte-compile what it installs (two of the three minutes of set-up went to compiling all of
+# torch, transformers, ray, ...): the first process that imports a module writes its .pyc into the venv and
+# every later one reads it. PYTHONDONTWRITEBYTECODE (set on this machine) would stop that, and every process,
+# each CLI subprocess of the tests included, would compile torch from source again: not passed to recipes.
+unexport PYTHONDONTWRITEBYTECODE
+PIP = $(PY) -m pip install -q --no-compile -c constraints-dev.txt
 $(DEMO_STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
