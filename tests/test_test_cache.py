@@ -46,3 +46,11 @@ def test_prune_drops_old_entries_and_a_day_old_ones_of_other_exporter_sources(tm
             _entry(tmp_path, ".staging-x", ours, 2 * 3600, now)]
     cache.prune(now)
     assert all(p.is_dir() for p in kept) and not any(p.exists() for p in gone)
+
+
+def test_the_code_key_follows_the_code_not_its_comments_or_layout():
+    code = 'def f(x):\n    """Doubles."""\n    return 2 * x\n'
+    same = '# a note\ndef f(x):  # why\n    """Doubles."""\n    return (2 *\n            x)\n'
+    assert cache.source_digest(code) == cache.source_digest(same)
+    assert cache.source_digest(code) != cache.source_digest(code.replace("2 * x", "3 * x"))
+    assert cache.source_digest(code) != cache.source_digest(code.replace("Doubles.", "Twice."))  # code may read it

@@ -6,10 +6,11 @@ tokenizer folder, ...), keyed on everything the result depends on:
 - what was exported: the exporter's options and, for a Hugging Face folder, the folder's content
   (sizes and sha256 of its files; the random folders of ``tests/hf_folders.py`` are seeded, so the same
   folder made by another session or worker hits the same entry);
-- the code that made it: a sha256 of the sources of the packages at or below ``attnx.export`` in the
-  layer order (``pyproject.toml``'s import contract, checked by ``tests/test_layers.py``: ``attnx``,
-  ``models``, ``explain``, ``plugins``, ``pretrained``, ``export``) and of the test modules that define
-  models (``toy_variant.py``, ``hf_folders.py``);
+- the code that made it: a sha256 of the syntax trees (comments and layout left out, so such an edit keeps
+  the cache warm) of the packages at or below ``attnx.export`` in the layer order (``pyproject.toml``'s
+  import contract, checked by ``tests/test_layers.py``: ``attnx``, ``models``, ``explain``, ``plugins``,
+  ``pretrained``, ``export``) and of the test modules that define models (``toy_variant.py``,
+  ``hf_folders.py``);
 - the libraries: torch, onnx, onnxscript, onnxruntime, transformers, tokenizers, ... versions.
 
 The cache lives outside the checkout (``$ATTNX_TEST_CACHE``, default ``~/.cache/attnx/test-exports``),
@@ -22,6 +23,7 @@ Tests must not modify files of a cached export (copy it to ``tmp_path`` first).
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -29,10 +31,11 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from filelock import FileLock
 
@@ -61,13 +64,23 @@ def code_hash() -> str:
     files += [TESTS / name for name in MODEL_TEST_MODULES]
     for path in files:
         h.update(str(path.relative_to(ROOT)).encode())
-        h.update(path.read_bytes())
+        h.update(source_digest(path.read_text(encoding="utf-8")).encode())
     for lib in LIBRARIES:
         try:
             h.update(f"{lib}={metadata.version(lib)}".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{lib}=none".encode())
     return h.hexdigest()[:16]
+
+
+def source_digest(source: str) -> str:
+    """What the code of a module says, not how it is written: its syntax tree (docstrings kept, since code may
+    read them), so that a comment or a re-wrapped line leaves the cache warm. Unparsable source: its text."""
+    try:
+        text = ast.dump(ast.parse(source))
+    except SyntaxError:
+        text = source
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 _FOLDER_HASHES: dict[tuple, str] = {}
