@@ -40,6 +40,7 @@ from attnx.export import fuse as fusions
 from attnx.export import graph as passes
 from attnx.export import onnx_file, ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
+from attnx.export.decompose import only_what_onnx_lacks
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 from attnx.export.staging import Staging, check_room
@@ -228,7 +229,8 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
     wrapper = _Positional(model, input_names, output_names)
     args = tuple(feeds[n] for n in input_names)
     path_name = "plugin" if lowering == "plugin" else "fast"
-    with attention_path(path_name), torch.no_grad(), _quiet_torch_exporter(), _shared_torchlib_registry():
+    with attention_path(path_name), torch.no_grad(), _quiet_torch_exporter(), _shared_torchlib_registry(), \
+            only_what_onnx_lacks():
         program, profiles = _trace(wrapper, args, dynamic_shapes, inputs, profiles)
 
         step("translate")
