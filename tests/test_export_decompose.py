@@ -11,9 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hf_folders import make_folder  # noqa: E402
-
-from attnx.export import decompose  # noqa: E402
+from attnx.export import decompose
+from hf_folders import make_folder
 
 
 def _program(module, *args):
