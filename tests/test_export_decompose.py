@@ -29,21 +29,30 @@ def _translated() -> set:
 class Renamed(torch.nn.Module):
     def forward(self, x, ids):
         keep = (ids > 2) & (ids < 9)  # aten.__and__
-        y = (1.0 - x) * keep.to(x.dtype)  # aten.rsub, aten.to
-        return y.to(torch.float32), ids.to(torch.float32)  # a cast to what it is already: no node
+        y = (1.0 - x) * keep.to(x.dtype) + x.square()  # aten.rsub, aten.to, aten.square
+        return y.to(torch.float32) @ torch.eye(5), ids.to(torch.float32)  # a cast to what it is: no node
 
 
-def test_the_renamed_operators_compute_what_they_did():
+def test_the_renamed_operators_compute_what_they_did(tmp_path):
+    import onnxruntime as ort
+
     x, ids = torch.randn(3, 5), torch.arange(15).view(3, 5)
     program = _program(Renamed(), x, ids)
     before = program.module()(x, ids)
+    with decompose.only_what_onnx_lacks():  # the renamed program, translated by torch's exporter
+        torch.onnx.export(_program(Renamed(), x, ids), (x, ids), dynamo=True, optimize=False,
+                          verbose=False).save(str(tmp_path / "m.onnx"))
+    got = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x[:2].numpy(), "ids": ids[:2].numpy()})
+    for a, b in zip(Renamed()(x[:2], ids[:2]), got):
+        np.testing.assert_array_equal(a.numpy(), b)
     assert decompose.why_not_ready(program, _translated()) is None
     decompose.rename(program)
     targets = {n.target for n in program.graph.nodes if n.op == "call_function"}
     aten = torch.ops.aten
     assert not targets & {aten.__and__.Tensor, aten.rsub.Scalar, aten.to.dtype, aten.to.device,
-                          aten.to.dtype_layout}, targets
-    assert {aten.bitwise_and.Tensor, aten.neg.default, aten._to_copy.default} <= targets
+                          aten.to.dtype_layout, aten.eye.default, aten.square.default}, targets
+    assert {aten.bitwise_and.Tensor, aten.neg.default, aten._to_copy.default, aten.arange.default} <= targets
     after = program.module()(x, ids)
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -61,11 +70,11 @@ class Mutates(torch.nn.Module):
 
 class Eye(torch.nn.Module):
     def forward(self, x):
-        return x @ torch.eye(5)
+        return x @ torch.eye(5, 4)  # eye.m: not renamed
 
 
 @pytest.mark.parametrize(("module", "why"), [(Mutates(), "aten.add_.Tensor mutates"),
-                                             (Eye(), "aten.eye.default has no ONNX translation")])
+                                             (Eye(), "aten.eye.m has no ONNX translation")])
 def test_a_program_that_needs_decomposing_gets_torchs_full_one(module, why, tmp_path):
     import onnxruntime as ort
 
@@ -77,7 +86,7 @@ def test_a_program_that_needs_decomposing_gets_torchs_full_one(module, why, tmp_
     onnx_program.save(str(tmp_path / "m.onnx"))
     got = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(
         None, {"x": x.numpy()})
-    np.testing.assert_allclose(got[-1], (x @ torch.eye(5) if why.startswith("aten.eye") else x * 2).numpy(),
+    np.testing.assert_allclose(got[-1], (x @ torch.eye(5, 4) if why.startswith("aten.eye") else x * 2).numpy(),
                                rtol=1e-6, atol=1e-6)
 
 
