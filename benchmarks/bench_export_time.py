@@ -78,8 +78,8 @@ def main() -> None:
             diff = max(float(abs(a - b).max()) for other in outputs[1:] for a, b in zip(outputs[0], other))
             fast, *slow = (statistics.median(times[m]) for m in modes)
             rows.append([MODELS[name][0], f"{fast:.2f}", *(f"{s:.2f} ({s / fast:.2f}x)" for s in slow), f"{diff:.1e}"])
-            print(f"{name}: " + ", ".join(f"{m} {statistics.median(t):.2f} s" for m, t in times.items()),
-                  file=sys.stderr, flush=True)
+            print(f"{name}: " + ", ".join(f"{m} {statistics.median(t):.2f} s" for m, t in times.items())
+                  + f", outputs differ by at most {diff:.1e}", file=sys.stderr, flush=True)
     print(f"export wall time, median of {args.rounds} interleaved rounds, {args.threads} threads")
     print_table(["model", "attnx s", "full decomposition s", "torch.onnx as it is s", "max |diff|"], rows)
 
