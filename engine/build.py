@@ -34,7 +34,7 @@ from attnx.engine.logger import get_logger, native_stdout_to_stderr
 from attnx.engine.network import ParsedNetwork, custom_nodes, parse_onnx, prepare_attention
 from attnx.engine.plugins import clear_plugin_errors, load_plugins, plugin_errors, resolve_plugin_library
 from attnx.engine.profiles import resolve_profiles
-from attnx.engine.targets import apply_target, default_target, target_name
+from attnx.engine.targets import apply_target, check_target, default_target, target_name
 
 _log = logging.getLogger("attnx.tensorrt")
 
@@ -228,6 +228,7 @@ def build(onnx_path: str | os.PathLike, output: str | os.PathLike | None = None,
         src, converted = ensure_fp16(src)
         info, proto = read_model_info(src)
     target = default_target() if target is None else target
+    check_target(target, trt_info)  # before the plugin library is compiled for it
     target_label = target_name(target)
 
     step("plugins")

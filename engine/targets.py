@@ -37,26 +37,15 @@ def parse_target(target: str | int | None, info: BackendInfo | None = None):
     return cc
 
 
-def apply_target(config, target: str | int | None, info: BackendInfo | None = None) -> str:
-    """Point a builder config at the GPU architecture to build for; returns it as "sm89".
-
-    TensorRT-RTX: the given compute capability (None = the local GPU, which must exist).
-    Full TensorRT: always the local GPU; ``target`` may only name that one."""
+def check_target(target: str | int | None, info: BackendInfo | None = None) -> BackendInfo:
+    """What :func:`apply_target` refuses, refused before any work is done for the build (compiling the plugin
+    library for that target takes a minute)."""
     info = info or backend()
     if info.is_rtx:
-        cc = parse_target(target, info)
-        if cc is None:
-            local = gpu_compute_capability()
-            if local is None:
-                raise BuildError("TensorRT-RTX needs a target compute capability on a machine without a GPU: pass "
-                                 f"target='sm89' (available: {', '.join(info.targets)})")
-            cc = info.module.ComputeCapability.CURRENT
-            name = f"sm{local[0]}{local[1]}"
-        else:
-            name = str(cc).split(".")[-1].lower()
-        config.num_compute_capabilities = 1
-        config.set_compute_capability(cc, 0)
-        return name
+        if parse_target(target, info) is None and gpu_compute_capability() is None:
+            raise BuildError("TensorRT-RTX needs a target compute capability on a machine without a GPU: pass "
+                             f"target='sm89' (available: {', '.join(info.targets)})")
+        return info
     local = gpu_compute_capability()
     if local is None:
         raise BuildError("full TensorRT builds engines for the local GPU and none was found; use TensorRT for RTX "
@@ -66,7 +55,27 @@ def apply_target(config, target: str | int | None, info: BackendInfo | None = No
     if wanted is not None and wanted != local_sm:
         raise BuildError(f"full TensorRT builds for the local GPU (sm{local_sm}), not sm{wanted}; build on a "
                          "machine with that GPU, or use TensorRT for RTX (`pip install attnx[rtx]`)")
-    return f"sm{local_sm}"
+    return info
+
+
+def apply_target(config, target: str | int | None, info: BackendInfo | None = None) -> str:
+    """Point a builder config at the GPU architecture to build for; returns it as "sm89".
+
+    TensorRT-RTX: the given compute capability (None = the local GPU, which must exist).
+    Full TensorRT: always the local GPU; ``target`` may only name that one."""
+    info = check_target(target, info)
+    local = gpu_compute_capability()
+    if not info.is_rtx:
+        return f"sm{local[0] * 10 + local[1]}"
+    cc = parse_target(target, info)
+    if cc is None:
+        cc = info.module.ComputeCapability.CURRENT
+        name = f"sm{local[0]}{local[1]}"
+    else:
+        name = str(cc).split(".")[-1].lower()
+    config.num_compute_capabilities = 1
+    config.set_compute_capability(cc, 0)
+    return name
 
 
 def default_target() -> str | None:
