@@ -110,15 +110,16 @@ def run(cmd: list, what: str, **kw) -> None:
 
 
 def hf_folder(cache: Path, tf_python: Path, gguf: str | None) -> Path:
-    """The fp32 folder of the GGUF: attnx's own GGUF reader (:mod:`attnx.pretrained.gguf`, transformers' loader
-    with its quirks handled), in attnx's cache."""
-    from attnx.pretrained.gguf import as_folder
+    """The fp32 folder of the GGUF for the peers that read Hugging Face folders: attnx's own GGUF reader
+    (:func:`attnx.pretrained.gguf.fp32_folder`: transformers' tensors, written one at a time), in ``cache``."""
+    from attnx.pretrained.gguf import fp32_folder, model_name
 
     sys.path.insert(0, str(HERE))
     from _decode_models import source
 
     log("the fp32 Hugging Face folder of the GGUF (attnx.pretrained.gguf) ...")
-    return as_folder(source(gguf or ""))
+    src = source(gguf or "")
+    return fp32_folder(src, cache / "hf" / model_name(src))
 
 
 def gguf_files(cache: Path, tf_python: Path, gguf: str | None, types: list[str]) -> dict[str, Path]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -41,6 +42,33 @@ console = _Console()
 err_console = _Console(stderr=True, soft_wrap=True)  # one-line errors stay one line
 
 F = TypeVar("F", bound=Callable)
+
+
+class StageLines:
+    """One plain line per stage on stderr where progress bars are not drawn (CI logs, ``nohup``, pipes): each stage
+    as it starts, then one line with every stage's time, so a 20-minute export says what it is doing."""
+
+    def __init__(self, title: str):
+        self.title, self.current, self.started, self.times = title, None, time.monotonic(), {}
+
+    def __call__(self, label: str) -> None:
+        if label == self.current:
+            return
+        self._close()
+        err_console.print(f"{self.title}: {label}", highlight=False, markup=False)
+        self.current, self.started = label, time.monotonic()
+
+    def _close(self) -> None:
+        if self.current is not None:
+            self.times[self.current] = self.times.get(self.current, 0.0) + time.monotonic() - self.started
+
+    def finish(self) -> None:
+        self._close()
+        self.current = None
+        if self.times:
+            took = ", ".join(f"{label} {seconds:.1f}s" for label, seconds in self.times.items())
+            err_console.print(f"{self.title}: finished in {sum(self.times.values()):.1f}s ({took})",
+                              highlight=False, markup=False)
 
 
 class UserError(Exception):

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import typer
 
-from attnx.cli._common import UserError, console, err_console, guarded, latest_export, state, workdir
+from attnx.cli._common import StageLines, UserError, console, err_console, guarded, latest_export, state, workdir
 
 BUILD_STEPS = ("fp16", "plugins", "parse", "build", "write")
 BUILD_LABELS = {"fp16": "fp16 ONNX", "plugins": "plugin library", "parse": "parse (plugin override)",
@@ -53,6 +53,7 @@ class _Steps:
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                                  console=console, transient=True, disable=quiet or not console.is_terminal)
         self.task = None
+        self.lines = None if quiet or console.is_terminal else StageLines(title)  # logs: a line per step
         self.times: dict[str, float] = {}
         self._current: str | None = None
         self._started = 0.0
@@ -69,10 +70,14 @@ class _Steps:
         self._current, self._started = name, now
         done = self.steps.index(name) if name in self.steps else 0
         self.progress.update(self.task, description=f"{self.title}: {self.labels.get(name, name)}", completed=done)
+        if self.lines is not None:
+            self.lines(self.labels.get(name, name))
 
     def __exit__(self, *exc):
         if self._current is not None:
             self.times[self._current] = self.times.get(self._current, 0.0) + time.monotonic() - self._started
+        if self.lines is not None and exc[0] is None:
+            self.lines.finish()
         return self.progress.__exit__(*exc)
 
 

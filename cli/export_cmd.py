@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import typer
 
-from attnx.cli._common import UserError, console, err_console, guarded, workdir
+from attnx.cli._common import StageLines, UserError, console, err_console, guarded, workdir
 
 
 def parse_sets(variant: str, sets: list[str]) -> dict:
@@ -86,16 +86,19 @@ def refuse_overwriting_inputs(output: Path, checkpoint: Path | None, pretrained:
 
 
 #: What each export step shows.
-STEP_LABELS = {"load": "loading the weights", "trace": "tracing (torch.export)", "translate": "translating to ONNX",
+# A --with-past export reads its weights when it writes them: "loading" builds the model, "writing" reads,
+# converts or quantizes each weight and writes it.
+STEP_LABELS = {"load": "loading the model", "trace": "tracing (torch.export)", "translate": "translating to ONNX",
                "optimise": "optimising the graph", "check": "checking the graph", "save": "writing",
-               "int8": "quantizing to int8", "weights": "quantizing the weights (MatMulNBits)",
+               "int8": "quantizing to int8", "weights": "MatMulNBits in the graph (each weight quantized as written)",
                "commit": "making the files visible"}
 
 
 @contextlib.contextmanager
 def export_progress(label: str):
     """``step(name, done=None, total=None)`` for the exporter: each step on its own line with its time, and a
-    bar where it counts (bytes written); drawn on a terminal only (nothing in logs and pipes)."""
+    bar where it counts (bytes written), drawn on a terminal; elsewhere (logs, pipes) one plain line per step
+    (:class:`~attnx.cli._common.StageLines`)."""
     import time
 
     from rich.progress import BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -114,6 +117,7 @@ def export_progress(label: str):
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), Counted(BarColumn()), Counted(DownloadColumn()),
                   TimeElapsedColumn(), console=console, transient=True, disable=not shown) as progress:
         current = {"name": None, "task": None, "started": time.monotonic()}
+        lines = None if shown else StageLines(f"export {label}")
 
         def step(name: str, done: int | None = None, total: int | None = None) -> None:
             if name != current["name"]:  # a new step: the last one's time stays on screen
@@ -125,8 +129,12 @@ def export_progress(label: str):
                 current.update(name=name, started=time.monotonic(),
                                task=progress.add_task(f"export {label}: {STEP_LABELS.get(name, name)}", total=total))
             progress.update(current["task"], total=total, completed=done or 0)
+            if lines is not None:
+                lines(STEP_LABELS.get(name, name))
 
         yield step
+        if lines is not None:
+            lines.finish()
 
 
 def register(app: typer.Typer) -> None:

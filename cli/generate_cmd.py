@@ -88,6 +88,9 @@ def register(app: typer.Typer) -> None:
         lowering: str = typer.Option("plugin", "--lowering", help="With a Hugging Face folder: plugin | rewrite."),
         device: str = typer.Option("auto", help="ONNX Runtime device: auto, cpu or cuda."),
         threads: Optional[int] = typer.Option(None, help="Intra-op threads (default: all CPUs)."),
+        max_positions: Optional[int] = typer.Option(
+            None, "--max-positions", help="Most positions (prompt + generated tokens) to serve, which bounds the KV "
+                                          "cache (vLLM's --max-model-len, llama.cpp's -c). Default: the model's."),
     ) -> None:
         """Generate text from a decoder with its KV cache, streamed as it is made (greedy by default)."""
         from attnx.runtime.core.decoding import NotAGenerator
@@ -100,13 +103,25 @@ def register(app: typer.Typer) -> None:
                                      do_sample=True if sample else None)
         except SamplingError as e:
             raise UserError(f"--{(e.param or 'option').replace('_', '-')}: {e}") from None
+        if max_positions is not None and max_positions < 2:
+            raise UserError(f"--max-positions must be >= 2 (a prompt token and a generated one), got {max_positions}")
         path = model_file(model, variant, lowering)
+        from attnx.runtime.core.decoding import Decoder, memory_warning
+
         try:
             text_model = TextModel(path, device=device, threads=threads)
-            decoder = text_model.decoder
+            decoder = Decoder(text_model.session, max_positions=max_positions, bound_by="--max-positions")
         except NotAGenerator as e:
             raise UserError(str(e)) from None
+        footprint = decoder.kv_footprint()
+        err_console.print(f"[dim]{footprint.describe()}[/dim]", highlight=False)
+        warning = memory_warning(footprint, 1, "--max-positions")
+        if warning:
+            err_console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
         ids = text_model.tokenizer.tokenize([prompt], truncate=False)[0].ids
+        if decoder.max_positions and len(ids) >= decoder.max_positions:
+            raise UserError(f"the prompt has {len(ids)} tokens; {decoder.positions_text} are served, so a prompt "
+                            f"must be shorter than {decoder.max_positions} tokens")
         from attnx.runtime.core.generate import stream
 
         started, first, count, reason = time.monotonic(), None, 0, None

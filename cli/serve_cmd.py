@@ -123,9 +123,25 @@ def register(app: typer.Typer) -> None:
             None, "--dimensions", help="Let /v1/embeddings and /embed cut embeddings to fewer dimensions (the "
                                        "first k, renormalised: for Matryoshka-trained models): 'any' or sizes like "
                                        "64,128,256, for every model or as NAME=..."),
+        body_timeout_s: float = typer.Option(
+            10.0, "--body-timeout-s", help="Seconds an HTTP request body may take, plus 1 s per --min-body-rate-kb "
+                                           "KiB received; 408 and closed beyond."),
+        min_body_rate_kb: float = typer.Option(
+            16.0, "--min-body-rate-kb", help="KiB/s a body must keep up past --body-timeout-s (0: that is a total "
+                                             "deadline)."),
         max_inputs: int = typer.Option(1024, "--max-inputs", help="Most texts in one request (all APIs)."),
         max_request_tokens: int = typer.Option(
             300000, "--max-request-tokens", help="Most tokens in one request, summed over its texts (413 beyond)."),
+        max_new_tokens: Optional[int] = typer.Option(
+            None, "--max-new-tokens", help="Generating models: most tokens one completion generates; the default "
+                                           "when a request sets no max_tokens, and larger ones are clamped to it "
+                                           "(as vLLM's max_new_tokens override; finish_reason 'length')."),
+        chat_template: Optional[List[str]] = typer.Option(
+            None, "--chat-template", help="A Jinja chat template for generating models whose files carry none "
+                                          "(or to replace theirs): FILE for every generating model, or NAME=FILE."),
+        max_positions: Optional[int] = typer.Option(
+            None, "--max-positions", help="Generating models: most positions (prompt + generated tokens) per "
+                                          "sequence, which bounds the KV cache (vLLM's --max-model-len); 400 beyond."),
     ) -> None:
         """Serve models over HTTP (and gRPC) with the KServe v2 protocol (tritonclient works), with dynamic
         batching that pads requests of different lengths; text in for models with a tokenizer."""
@@ -146,11 +162,17 @@ def register(app: typer.Typer) -> None:
         for flag, value in (("--port", port), ("--grpc-port", grpc_port)):
             if value is not None and not 0 <= value <= 65535:
                 raise UserError(f"{flag} must be 0..65535, got {value}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        templates = _chat_template_files(chat_template, files)
+        if max_positions is not None and max_positions < 2:
+            raise UserError(f"--max-positions must be >= 2 (a prompt token and a generated one), got {max_positions}")
         for flag, value in (("--max-inputs", max_inputs), ("--max-request-tokens", max_request_tokens)):
             if value < 1:
                 raise UserError(f"{flag} must be >= 1, got {value}")
         limits = Limits(max_body_bytes=int(max_body_mb * (1 << 20)), max_seq=max_seq, max_texts=max_inputs,
-                        max_request_tokens=max_request_tokens)
+                        max_request_tokens=max_request_tokens, max_positions=max_positions,
+                        **_body_deadline(body_timeout_s, min_body_rate_kb))
         if api_key is None and os.environ.get(ENV_VAR) == "":
             api_key = ""  # set but empty: refused below, never read as "no key"
         if api_key is not None:
@@ -186,6 +208,7 @@ def register(app: typer.Typer) -> None:
             on_warning=lambda m: err_console.print(f"[yellow]warning:[/yellow] {escape(m)}", highlight=False),
             api_key=api_key, dimensions=dims, http_limits=http_limits,
         )
+        _configure_generators(server, max_new_tokens, templates)
         if describe:
             console.print(server.describe(), markup=False, highlight=False, soft_wrap=True)
             return
@@ -193,11 +216,19 @@ def register(app: typer.Typer) -> None:
             server.bind()
         except OSError as e:
             raise UserError(str(e.strerror or e)) from None
+        from attnx.runtime.core.decoding import memory_warning
+
         for name, model in server.models.items():
             if name in server.generators:
                 err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}) "
                                   f"generates text (up to {model.scheduler.max_batch} sequences per decoding step"
-                                  f"{', chat template' if model.chat else ''})")
+                                  f"{', chat template' if model.chat else ''}"
+                                  f"{f', at most {model.max_new_tokens} new tokens' if model.max_new_tokens else ''}); "
+                                  f"{model.decoder.kv_footprint().describe(model.scheduler.max_batch)}",
+                                  highlight=False)
+                warning = memory_warning(model.decoder.kv_footprint(), model.scheduler.max_batch, "--max-positions")
+                if warning:
+                    err_console.print(f"[yellow]warning:[/yellow] model {name}: {warning}", highlight=False)
             else:
                 text = " text in" if model.tokenizer is not None else ""
                 err_console.print(f"model [bold]{name}[/bold]: {model.session.path} ({model.session.provider}){text}")
@@ -211,7 +242,7 @@ def register(app: typer.Typer) -> None:
         err_console.print("APIs: KServe v2 (/v2), OpenAI (/v1/embeddings), TEI (/embed, /predict, /rerank), "
                           "Cohere/Jina (/v1/rerank), Infinity (/classify)"
                           + ("; generation: Triton (/v2/models/{m}/generate[_stream]), OpenAI (/v1/completions, "
-                             "/v1/chat/completions)" if server.generators else "")
+                             "/v1/chat/completions), vLLM (/tokenize, /detokenize)" if server.generators else "")
                           + ("; API key required" if api_key else ""), highlight=False)
         err_console.print(f"listening on {server.url}", highlight=False, soft_wrap=True)
         server.serve()
@@ -336,3 +367,40 @@ def _specs_from_metadata(meta: dict):
         specs.append(TensorSpec(t["name"], np.dtype(TRITON_TO_NUMPY[t["datatype"]]), tuple(dims),
                                 default_role(t["name"], True)))
     return specs
+
+
+def _body_deadline(timeout_s: float, rate_kb: float) -> dict:
+    """``--body-timeout-s`` / ``--min-body-rate-kb`` as Limits fields, refused now when they would refuse every body."""
+    if not timeout_s > 0 or not rate_kb >= 0:
+        raise UserError(f"--body-timeout-s must be > 0 and --min-body-rate-kb >= 0, got {timeout_s} and {rate_kb}")
+    return {"body_timeout_s": timeout_s, "min_body_rate": int(rate_kb * 1024) or None}
+
+
+def _chat_template_files(items: list[str] | None, files: dict[str, Path]) -> dict[str | None, Path]:
+    """``--chat-template FILE`` (every generating model) / ``--chat-template NAME=FILE`` -> ``{name or None: file}``
+    (the syntax of ``--tokenizer``)."""
+    out: dict[str | None, Path] = {}
+    for item in items or ():
+        name, sep, file = item.partition("=")
+        key = name if sep and name in files else None
+        path = Path(file if key is not None else item)
+        if not path.is_file():
+            raise UserError(f"--chat-template {item}: no such file")
+        out[key] = path
+    return out
+
+
+def _configure_generators(server, max_new_tokens: int | None, templates: dict[str | None, Path]) -> None:
+    """The serve options of generating models, set on each once loaded; a template naming an encoder is refused."""
+    from attnx.runtime.core.chat import ChatTemplate
+
+    for name in templates:
+        if name is not None and name not in server.generators:
+            raise UserError(f"--chat-template {name}=...: model {name!r} does not generate text")
+    for name, model in server.generators.items():
+        file = templates.get(name, templates.get(None))
+        try:
+            template = ChatTemplate.from_file(file, model.tokenizer.file.parent) if file is not None else None
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise UserError(f"--chat-template {file}: {e}") from None
+        model.configure(max_new_tokens=max_new_tokens, chat_template=template)

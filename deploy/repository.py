@@ -250,6 +250,10 @@ def write_repository(
     except ConfigError as e:
         raise ConfigError(f"{e} (pass --name)" if name == model_path.stem else str(e)) from None
     source = read_source(model_path, Path(onnx_path) if onnx_path else None)
+    if source.info is not None and source.info.cache:  # refused before anything is written
+        raise ConfigError(f"{model_path.name} is a with-past decoder (its KV cache goes in and out at every step): "
+                          "a Triton repository would run it once per request and never generate text; serve it with "
+                          "`attnx serve` (OpenAI completions and chat, Triton's generate extension)")
     backend = _backend(source, backend)
     is_text = source.info is not None and source.info.tokenizer is not None
     names = text.TextNames.of(name) if is_text else None

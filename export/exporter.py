@@ -6,7 +6,10 @@ its ONNX custom ops), optimise (:mod:`attnx.export.graph`: constant folding, fun
 fusions, the contract's dim names, fp16), check (full ``onnx.checker``, strict shape inference),
 save (:mod:`attnx.export.onnx_file`: one file, or external data past ~1.8 GB; the weights for
 ``attnx check`` beside it). Nothing copies the weights: the graph's tensors are views of the
-PyTorch parameters until each is written, so an export peaks near the model's own size.
+PyTorch parameters until each is written, so an export peaks near the model's own size; a model built
+without its weights (:mod:`attnx.pretrained.streamed`) has each read from its checkpoint when it is
+written instead (:mod:`attnx.export.streaming`), so the export peaks near its largest tensor. Weight-only
+quantization (``weight_only_bits``) is a pass of the optimise step: each weight is quantized as it is written.
 
 Every file is written under a staging folder and made visible as a whole (:mod:`attnx.export.staging`).
 
@@ -45,6 +48,7 @@ from attnx.export.type_promotion import promotion_from_the_trace
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 from attnx.export.staging import Staging, check_room
+from attnx.export.streaming import bind_initializers
 from attnx.models.attention import attention_path
 from attnx.models.build import build_encoder
 from attnx.models.signature import example_tensor
@@ -252,6 +256,7 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
                                          optimize=False, verbose=False)
     graph = onnx_program.model
     del onnx_program, program
+    bind_initializers(graph, model)  # a streamed model's weights: read from its checkpoint when written
     if estimate_bytes(model) > GC_AFTER_TRACE_BYTES:
         # The traced programs (FX graphs hold reference cycles): memory for the steps that follow. A full
         # collection costs ~0.5 s in a process holding torch and transformers, more than a small model frees.
@@ -372,14 +377,28 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     graph, profiles = build_graph(model, inputs, outputs, lowering=lowering, opset=opset, profiles=profiles, fuse=fuse,
                                   fp16=fp16, step=step)
 
+    quantization = None
+    if weight_only_bits is not None:  # each weight quantized when it is written (attnx.export.weight_only)
+        from attnx.export import weight_only
+
+        step("weights")
+        try:
+            quantization = weight_only.quantize_graph(graph, weight_only_bits)
+        except Exception as e:  # one line; the staging folder goes, so nothing appears under the final name
+            msg = " ".join(str(e).split())[:200] or type(e).__name__
+            raise ValueError(f"{path}: int{weight_only_bits} weight-only quantization failed ({type(e).__name__}: "
+                             f"{msg}); nothing was written under that name") from None
     weights_path = path.with_suffix(".safetensors") if save_weights else None
     specs = {s.name: s for s in [*inputs, *outputs]}
+    precision = "fp16" if fp16 else "fp32" if weight_only_bits is None else f"int{weight_only_bits}-weights"
     info = ModelInfo(variant=model.variant, config=model.config_dict(), lowering=lowering,
-                     precision="fp16" if fp16 else "fp32", inputs=_entries(graph.graph.inputs, specs),
+                     precision=precision, inputs=_entries(graph.graph.inputs, specs),
                      outputs=_entries(graph.graph.outputs, specs), profiles={k: list(v) for k, v in profiles.items()},
                      version=attnx.__version__, weights=weights_path.name if weights_path else None,
                      tokenizer=tokenizer, cache=model.cache_metadata() if hasattr(model, "cache_metadata") else None,
                      reference=reference)
+    if quantization is not None:
+        info.quantization = quantization
     write_info(graph, info)
 
     step("check")
@@ -394,20 +413,15 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     del graph
     if weights_path is not None:
         save_checkpoint(reference_model, staging.path(weights_path.name), names=weight_names)
-    if int8_weight_bits is not None or weight_only_bits is not None:
+    if int8_weight_bits is not None:
         from attnx.export.quantize import quantize_file
-        from attnx.export.weight_only import quantize_weights
 
-        what = "int8 quantization" if int8_weight_bits is not None else f"int{weight_only_bits} weight-only quantization"
-        step("int8" if int8_weight_bits is not None else "weights")
+        step("int8")
         try:
-            if int8_weight_bits is not None:
-                quantize_file(staged, staged, weight_bits=int8_weight_bits)
-            else:
-                quantize_weights(staged, staged, weight_only_bits)
+            quantize_file(staged, staged, weight_bits=int8_weight_bits)
         except Exception as e:  # one line; the staging folder goes, so nothing appears under the final name
             msg = " ".join(str(e).split())[:200] or type(e).__name__
-            raise ValueError(f"{path}: {what} failed ({type(e).__name__}: {msg}); nothing was written "
+            raise ValueError(f"{path}: int8 quantization failed ({type(e).__name__}: {msg}); nothing was written "
                              "under that name") from None
         info = ModelInfo.read(staged)  # precision and how it was quantized
     return ExportResult(path=path, model=model, info=info, weights_path=weights_path, steps=list(STEPS))

@@ -63,7 +63,50 @@ def _concat(tensors: list[ir.TensorProtocol], axis: int, name: str) -> ir.LazyTe
     def evaluate():
         return ir.Tensor(np.concatenate([t.numpy() for t in tensors], axis), dtype=dtype, name=name)
 
-    return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
+    lazy = ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(shape), name=name)
+    if all(hasattr(t, "attnx_torch") for t in tensors):  # streamed from a checkpoint: its own dtype too
+        def in_source_dtype():
+            import torch
+
+            return torch.cat([t.attnx_torch() for t in tensors], axis)
+
+        lazy.attnx_torch = in_source_dtype
+    if axis == 1 and len(shape) == 2 and all(hasattr(t, "attnx_transposed_rows") for t in tensors):
+        lazy.attnx_transposed_rows = _joined_rows(tensors)
+    bits = {getattr(t, "attnx_transposed_blocks_bits", None) for t in tensors}
+    if axis == 1 and len(shape) == 2 and len(bits) == 1 and None not in bits:
+        lazy.attnx_transposed_blocks, lazy.attnx_transposed_blocks_bits = _joined_blocks(tensors), bits.pop()
+    return lazy
+
+
+def _joined_blocks(tensors: list[ir.TensorProtocol]):
+    """The blocks of the transpose of weights joined along their columns: each member's, stacked (None if one
+    has none)."""
+    def read():
+        from dataclasses import replace
+
+        parts = [t.attnx_transposed_blocks() for t in tensors]
+        if any(p is None for p in parts) or len({(p.bits, p.block_size, p.zero_points is None) for p in parts}) != 1 \
+                or parts[0].zero_points is not None:
+            return None
+        return replace(parts[0], data=np.concatenate([p.data for p in parts]),
+                       scales=np.concatenate([p.scales for p in parts]))
+
+    return read
+
+
+def _joined_rows(tensors: list[ir.TensorProtocol]):
+    """Rows ``start:stop`` of the transpose of weights joined along their columns: each member's own rows."""
+    bounds = np.cumsum([0] + [t.shape[1] for t in tensors])
+
+    def read(start: int, stop: int):
+        import torch
+
+        parts = [t.attnx_transposed_rows(max(start, lo) - lo, min(stop, hi) - lo)
+                 for t, lo, hi in zip(tensors, bounds[:-1], bounds[1:]) if start < hi and stop > lo]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 0)
+
+    return read
 
 
 def pack_projections(graph: ir.Graph) -> int:

@@ -57,12 +57,30 @@ def fold_constants(model: ir.Model, inline: bool = True) -> None:
     fold_weight_transposes(model)
 
 
-def _lazy(source: ir.TensorProtocol, make, dtype: ir.DataType, shape: Sequence[int], name: str) -> ir.LazyTensor:
-    """A tensor computed from ``source`` (``make(np.ndarray) -> np.ndarray``) when it is written."""
+def _lazy(source: ir.TensorProtocol, make, dtype: ir.DataType, shape: Sequence[int], name: str,
+          make_torch=None) -> ir.LazyTensor:
+    """A tensor computed from ``source`` (``make(np.ndarray) -> np.ndarray``) when it is written; with
+    ``make_torch`` and a source streamed from a checkpoint, its ``attnx_torch`` too (:mod:`attnx.export.streaming`)."""
     def evaluate():
         return ir.Tensor(np.ascontiguousarray(make(source.numpy())), dtype=dtype, name=name)
 
-    return ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(list(shape)), name=name)
+    lazy = ir.LazyTensor(evaluate, dtype=dtype, shape=ir.Shape(list(shape)), name=name)
+    read = getattr(source, "attnx_torch", None)
+    if make_torch is not None and read is not None:
+        lazy.attnx_torch = lambda: make_torch(read())
+    return lazy
+
+
+def _transposed_rows(lazy: ir.LazyTensor, source: ir.TensorProtocol, perm) -> None:
+    """A 2-D transpose of a streamed tensor reads its transpose's rows (the source's) a chunk at a time, and
+    its transpose's blocks where the source has them."""
+    if list(perm) != [1, 0]:
+        return
+    rows = getattr(source, "attnx_read_rows", None)
+    if rows is not None:
+        lazy.attnx_transposed_rows = rows
+    if hasattr(source, "attnx_blocks"):  # its transpose's blocks: the source's own (GGUF Q4_0 / Q8_0)
+        lazy.attnx_transposed_blocks, lazy.attnx_transposed_blocks_bits = source.attnx_blocks, source.attnx_blocks_bits
 
 
 def add_initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
@@ -94,7 +112,9 @@ def fold_weight_transposes(model: ir.Model) -> int:
         perm = node.attributes.get_ints("perm", None)
         perm = list(perm) if perm is not None else list(reversed(range(len(tensor.shape))))
         shape = [tensor.shape[p] for p in perm]
-        lazy = _lazy(tensor, lambda a, perm=perm: np.transpose(a, perm), tensor.dtype, shape, w.name)
+        lazy = _lazy(tensor, lambda a, perm=perm: np.transpose(a, perm), tensor.dtype, shape, w.name,
+                     make_torch=lambda t, perm=perm: t.permute(*perm))
+        _transposed_rows(lazy, tensor, perm)
         name = w.name
         graph.remove(node, safe=False)
         node.replace_input_with(0, None)

@@ -2,7 +2,8 @@
 
 An export's graph is an onnx-ir model whose initializers are views of the PyTorch parameters
 (``TorchTensor``: no copy), tensors computed from them when they are written (``ir.LazyTensor``:
-a transposed, packed or fp16 weight) or memory-mapped from a file (``ir.ExternalTensor``).
+a transposed, packed, fp16 or block-quantized weight; for a streamed decoder, a weight read from its
+checkpoint, :mod:`attnx.export.streaming`) or memory-mapped from a file (``ir.ExternalTensor``).
 :func:`save` streams each to disk in turn, so the peak is the model plus its largest tensor:
 
 - up to :data:`INLINE_LIMIT` of weights, one self-contained ``.onnx`` (protobuf's 2 GiB limit bounds

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -116,12 +117,17 @@ def source_reference(folder) -> dict:
     return {"source": str(folder.path.resolve()), "files": files}
 
 
-def _weights_estimate(folder, fp16: bool, int8: bool) -> int:
+def _weights_estimate(folder, fp16: bool, int8: bool, weight_bits: int | None = None) -> int:
     """Bytes of the export's weights, from the checkpoint's headers (nothing loaded)."""
-    from attnx.pretrained.folder import weight_numel
+    from attnx.pretrained.tensors import source_of
 
-    n = sum(weight_numel(folder.weights).values())
-    return n * (2 if fp16 else 4) + (n if int8 else 0) + sum(f.stat().st_size for f in folder.tokenizer_files)
+    source = source_of(folder)
+    try:
+        n = sum(math.prod(info.shape) for info in source.infos().values())
+    finally:
+        source.close()
+    per = weight_bits / 8 * 1.25 if weight_bits else 2 if fp16 else 4  # blocks: scales and zero points beside
+    return int(n * per) + (n if int8 else 0) + sum(f.stat().st_size for f in folder.tokenizer_files)
 
 
 def _export_folder(path: Path) -> bool:
@@ -175,10 +181,13 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
     whole_folder = with_past and _export_folder(path)
     with Staging(path.parent if whole_folder else path, folder=whole_folder, owned=owned) as stage:
         check_room(path.parent if path.parent.exists() else stage.dest,
-                   _weights_estimate(folder, fp16, int8_weight_bits is not None or weight_only_bits is not None))
+                   _weights_estimate(folder, fp16, int8_weight_bits is not None, weight_only_bits))
         step("load")
+        # A decoder exported with its cache reads each pretrained weight from the folder when it writes it
+        # (attnx.pretrained.streamed); --int8 calibrates on the model and --copy-weights stores every weight.
+        streamed = with_past and int8_weight_bits is None and not copy_weights
         host = pretrained.load(folder, variant, layers=layers, append=append, options=options, checkpoint=checkpoint,
-                               task=task)
+                               task=task, streamed=streamed)
         if with_past:
             host, profiles = past.prepare(host, profiles)
         max_length = host.max_length

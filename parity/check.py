@@ -236,6 +236,19 @@ def run_check(model_path: str | os.PathLike, *, engine: str | os.PathLike | None
     model_path = Path(model_path)
 
     step("reference")
+    try:
+        found = ModelInfo.read(model_path)
+    except (ContractError, ValueError, OSError):
+        found = None  # load_reference says what is wrong
+    if found is not None and found.cache:  # a decoder whose fp32 reference would not fit: one layer at a time
+        from attnx.parity.layerwise import layerwise_reason, run_layerwise_check
+
+        reason = layerwise_reason(found)
+        if reason is not None:
+            if cases or case_specs or tolerances:
+                raise ParityError("--case does not apply to a with-past export: it is checked on generation steps "
+                                  "from real text (pass --text to choose the texts)")
+            return run_layerwise_check(model_path, found, reason, texts=texts, original=original, progress=step)
     model, info = load_reference(model_path, original)
     if info.cache:  # a decoder exported with its KV cache: checked on cached generation steps
         from attnx.parity.generation import run_generation_check

@@ -317,8 +317,12 @@ def _against_original(source: str, prompts, fed, ref_steps, runners, bounds, com
             ids = torch.tensor([seq])
             return host.forward_named({"input_ids": ids, "attention_mask": torch.ones_like(ids), **context})["logits"]
     else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
+        if folder.weights:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()
+        else:  # a GGUF-backed folder: transformers' model, each tensor read from the GGUF (attnx.pretrained.gguf)
+            hf = pretrained.load_model(folder, "causal-lm")
+            hf.set_attn_implementation("eager")
 
         def last_logits(seq):
             return hf(input_ids=torch.tensor([seq])).logits

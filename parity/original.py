@@ -241,8 +241,11 @@ class OriginalRunner(_base_runner()):
             self.st = SentenceTransformer(str(self.source), device="cpu", local_files_only=True,
                                           trust_remote_code=False, model_kwargs=kwargs)
             self.hf = self.st[0].auto_model.eval()
-        else:
+        elif folder.weights:
             self.hf = getattr(transformers, TASKS[self.task]).from_pretrained(str(self.source), **kwargs).eval()
+        else:  # a GGUF-backed folder: transformers' model, each tensor read from the GGUF (attnx.pretrained.gguf)
+            self.hf = pretrained.load_model(folder, self.task)
+            self.hf.set_attn_implementation("eager")
         params = inspect.signature(self.hf.forward).parameters
         # a causal model's positions come from the mask, as transformers' generate gives them
         self.derive_positions = "position_ids" in params and any(getattr(m, "is_causal", False) is True

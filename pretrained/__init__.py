@@ -14,7 +14,9 @@ attention goes through transformers' ``AttentionInterface``.
 With fresh variant parameters a placed model computes exactly the original one (each variant's
 ``Placement.neutral``); trained ones come from a folder saved by ``save_pretrained`` of a placed
 model, or load with ``checkpoint=``. Folders are read offline and safely
-(:mod:`attnx.pretrained.folder`); ``attnx export --from-pretrained`` exports the result.
+(:mod:`attnx.pretrained.folder`); ``attnx export --from-pretrained`` exports the result. ``streamed=True``
+builds the model without its pretrained weights, each bound to its tensor in the folder
+(:mod:`attnx.pretrained.streamed`), for an export that reads each when it writes it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 from pathlib import Path
 
 from attnx.pretrained.backend import context
-from attnx.pretrained.folder import HFFolder, read_folder
+from attnx.pretrained.folder import HFFolder, check_weight_dtypes, read_folder
 from attnx.pretrained.host import TASKS, Host, check_task, task_of
 from attnx.pretrained.placing import Placement, aux_loss, blocks, place, placement_for, placement_of
 
@@ -32,13 +34,11 @@ __all__ = ["load", "load_model", "place", "context", "aux_loss", "blocks", "plac
            "read_folder", "Host", "Placement", "HFFolder", "TASKS", "minilm_path"]
 
 
-def load_model(folder: HFFolder, task: str):
-    """transformers' own model of ``folder`` for ``task`` (fp32, eval; offline, no remote code), after
-    checking that its family takes attnx's backend and that its weights are float tensors."""
-    import torch
+def _model_class(folder: HFFolder, task: str):
+    """transformers' class of ``folder`` for ``task`` and its config, after checking that its family takes
+    attnx's backend."""
     import transformers
 
-    from attnx.pretrained.folder import check_weight_dtypes
     from attnx.pretrained.placing import supports, unsupported_message
 
     auto = getattr(transformers, TASKS[check_task(task)])
@@ -50,6 +50,20 @@ def load_model(folder: HFFolder, task: str):
                          f"(task {task})") from None
     if not supports(cls):
         raise ValueError(f"{folder.path}: {unsupported_message(folder.model_type, cls.__name__)}")
+    return cls, config
+
+
+def load_model(folder: HFFolder, task: str):
+    """transformers' own model of ``folder`` for ``task`` (fp32, eval; offline, no remote code), after
+    checking that its family takes attnx's backend and that its weights are float tensors."""
+    import torch
+    import transformers
+
+    cls, config = _model_class(folder, task)
+    if not folder.weights:  # a GGUF-backed folder: every weight from its tensor source
+        from attnx.pretrained.streamed import load_materialized
+
+        return load_materialized(folder, cls, config)
     check_weight_dtypes(folder.weights)
     quiet = logging.getLogger("transformers.modeling_utils"), logging.getLogger("transformers")
     levels = [lg.level for lg in quiet]
@@ -86,9 +100,12 @@ def load_model(folder: HFFolder, task: str):
 
 
 def load(path: str | os.PathLike | HFFolder, variant: str | None = None, *, layers=None, append: int | None = None,
-         options: dict | None = None, checkpoint: str | os.PathLike | None = None, task: str | None = None) -> Host:
+         options: dict | None = None, checkpoint: str | os.PathLike | None = None, task: str | None = None,
+         streamed: bool = False) -> Host:
     """Load a Hugging Face folder with ``variant`` placed in it (eval mode). A folder saved from a placed
-    model carries its placement and the trained variant weights: load it without ``variant``."""
+    model carries its placement and the trained variant weights: load it without ``variant``.
+    ``streamed``: the pretrained weights stay in the folder, bound by name (:mod:`attnx.pretrained.streamed`;
+    for an export that reads each when it writes it), where they map onto the model one to one."""
     folder = path if isinstance(path, HFFolder) else read_folder(path)
     task = check_task(task) if task else task_of(folder.architectures)
     saved = folder.placement
@@ -101,8 +118,20 @@ def load(path: str | os.PathLike | HFFolder, variant: str | None = None, *, laye
                              "load it without --variant/--layers/--append")
     else:
         placement = placement_for(variant or "mha", layers, append, options)
-    hf = load_model(folder, task)
+    hf = None
+    if streamed:
+        from attnx.pretrained import streamed as lazy
+
+        cls, config = _model_class(folder, task)
+        if folder.weights:
+            check_weight_dtypes(folder.weights)
+        hf = lazy.empty_model(folder, cls, config)
+    hf = hf if hf is not None else load_model(folder, task)
     place(hf, placement)
+    if getattr(hf, "attnx_source", None) is not None:
+        from attnx.pretrained.streamed import with_placeholders
+
+        with_placeholders(hf)
     if saved is not None:
         from attnx.pretrained.folder import read_tensors
         from attnx.pretrained.placing import variant_parameter_names

@@ -3,7 +3,8 @@ reads nothing outside itself).
 
 What a folder may hold, and what attnx reads of it:
 
-- a ``.gguf`` file instead (or a folder holding one): dequantized into a folder first, :mod:`attnx.pretrained.gguf`;
+- a ``.gguf`` file instead (or a folder holding one): read as a weightless folder of its config and tokenizer,
+  the weights read from the file tensor by tensor (:mod:`attnx.pretrained.gguf`);
 - ``config.json``: its numbers are checked against sane limits first (one line each, before
   anything is built), then read through ``transformers.AutoConfig`` (``local_files_only``, never
   remote code: an ``auto_map`` is ignored, and :attr:`HFFolder.notes` says so);
@@ -115,7 +116,7 @@ class HFFolder:
 
 def read_folder(path: str | os.PathLike) -> HFFolder:
     """Read and check ``path`` (see the module doc); nothing is built or loaded yet. A ``.gguf`` file (or a
-    folder holding one) is read as its dequantized folder (:mod:`attnx.pretrained.gguf`)."""
+    folder holding one) is read as its weightless folder (:mod:`attnx.pretrained.gguf`)."""
     from attnx.pretrained.gguf import as_folder, gguf_source
 
     gguf = gguf_source(path)
@@ -282,6 +283,8 @@ def weight_files(folder: Path) -> list[Path]:
     binary = folder / "pytorch_model.bin"
     if binary.is_file():
         return [inside(folder, binary)]
+    if (folder / "attnx-gguf.json").is_file():  # a GGUF-backed folder: the weights stay in the GGUF
+        return []
     found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
     raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin (found: {found})")
 

@@ -1,37 +1,51 @@
-"""GGUF files in: a ``.gguf`` (llama.cpp's format, how most small LLMs ship) read as a Hugging Face folder.
+"""GGUF files in: a ``.gguf`` (llama.cpp's format, how most small LLMs ship) read as a Hugging Face folder
+without weights.
 
     attnx export --from-pretrained SmolLM2-135M-Instruct.Q4_1.gguf --with-past
     attnx generate path/to/folder-holding-one.gguf "Once upon a time"
 
-transformers' own GGUF loader (``from_pretrained(dir, gguf_file=...)``) reads the file, dequantized to fp32, with
-its tokenizer and chat template. Three of its quirks are handled here: the config it builds has no
-``architectures`` (set from the model class it loads), it keeps a ``quantization_config`` of type gguf (dropped:
-the weights are plain fp32 tensors, and a saved folder carrying it is refused by other tools) and it refuses
-``save_pretrained`` of the loaded model (its weights go into a fresh model of the same class, whose tied
-embeddings stay tied). The result is an ordinary folder (``config.json``, ``model.safetensors``, the tokenizer
-files, ``chat_template.jinja``) in attnx's cache (:func:`cache_root`), keyed on the file's content, so the
-export, ``attnx check`` (transformers' reference) and ``attnx generate`` all read the same folder and a second
-run reuses it. The folder is fp32: 4 bytes per parameter on disk (538 MB for SmolLM2-135M).
+The folder (:func:`as_folder`, in attnx's cache: :func:`cache_root`) holds what transformers' own GGUF
+loaders read from the file's metadata, no tensor dequantized: ``config.json`` (with ``architectures`` set from
+the causal LM class transformers maps it to, and without the ``quantization_config`` of type gguf it keeps),
+``generation_config.json``, the tokenizer files and ``chat_template.jinja``; and :data:`MARKER`,
+``{"gguf": <absolute path>, "size": <bytes>, "mtime_ns": <int>}``, naming the file the weights stay in. The
+export, ``attnx check`` (transformers' reference) and ``attnx generate`` read the weights from the GGUF one
+tensor at a time through :class:`attnx.pretrained.gguf_tensors.GgufSource` (what
+:func:`attnx.pretrained.tensors.source_of` returns for such a folder): a few MB on disk for any model size,
+where an fp32 copy took 4 bytes a parameter (517 MB for SmolLM2-135M, ~32 GB for an 8B model).
 
-A GGUF is data, not code: the ``gguf`` package reads it through a memory map. Its sizes are checked against
-:data:`attnx.pretrained.folder.LIMITS` before any tensor is read, and any file transformers cannot read is one
-``ValueError`` naming the file.
+The folder is keyed on the file's content (a second run reuses it; the marker follows the file if a copy of
+the same bytes is used from elsewhere) and named after the file without its quantization tag
+(``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``, :func:`model_name`): the name of an export
+from it says what the export holds (fp32 unless ``--weights``/``--fp16`` says otherwise), not the GGUF's blocks.
+
+A GGUF is data, not code: the ``gguf`` package reads its metadata through a memory map, tensors are read with
+``pread``. Its sizes are checked against :data:`attnx.pretrained.folder.LIMITS` before any tensor is read, the
+file's tensors must fill transformers' model (names and sizes, from the tensor table), and any file
+transformers cannot read is one ``ValueError`` naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 SUFFIX = ".gguf"
+#: the file in a GGUF-backed folder that names its GGUF (see the module doc)
+MARKER = "attnx-gguf.json"
 #: bytes of the file hashed per read (the cache key is its full content)
 _CHUNK = 1 << 22
 #: the GGUF header's magic number
 _MAGIC = b"GGUF"
+#: a quantization tag ending a GGUF's name, as llama.cpp and GGUF-my-repo write them: .Q4_1, -q4_k_m, .IQ4_XS,
+#: -f16, .BF16, _Q8_0 ...
+_QUANT_TAG = re.compile(r"[._-](?:I?Q\d(?:_[A-Z0-9]+)*|T?Q\d_\d|F16|F32|BF16|FP16|FP32)$", re.IGNORECASE)
 
 
 def gguf_source(path: str | os.PathLike) -> Path | None:
@@ -50,7 +64,7 @@ def gguf_source(path: str | os.PathLike) -> Path | None:
 
 
 def cache_root() -> Path:
-    """Where dequantized GGUF folders live: ``$ATTNX_CACHE``, else ``$XDG_CACHE_HOME/attnx``, else
+    """Where GGUF-backed folders live: ``$ATTNX_CACHE``, else ``$XDG_CACHE_HOME/attnx``, else
     ``~/.cache/attnx``; then ``gguf/``."""
     base = os.environ.get("ATTNX_CACHE") or (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnx")
     return Path(base).expanduser() / "gguf"
@@ -64,9 +78,16 @@ def content_key(file: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def model_name(gguf: Path) -> str:
+    """The file's name without ``.gguf`` and without a quantization tag: what the folder (and so an export's
+    default name) is called."""
+    stem = gguf.name[: -len(SUFFIX)] if gguf.name.lower().endswith(SUFFIX) else gguf.name
+    return _QUANT_TAG.sub("", stem) or stem or "model"
+
+
 def as_folder(gguf: str | os.PathLike) -> Path:
-    """The Hugging Face folder of ``gguf`` (see the module doc): built once per file content, atomically (a
-    failure leaves nothing in the cache), then reused."""
+    """The weightless Hugging Face folder of ``gguf`` (see the module doc): built once per file content,
+    atomically (a failure leaves nothing in the cache), then reused."""
     gguf = Path(gguf).expanduser()
     try:
         with open(gguf, "rb") as f:
@@ -75,84 +96,152 @@ def as_folder(gguf: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{gguf}: cannot read it ({e.strerror or e})") from None
     if magic != _MAGIC:
         raise ValueError(f"{gguf}: not a GGUF file (it does not start with the GGUF magic number)")
-    name = gguf.name[: -len(SUFFIX)] or "model"
-    out = cache_root() / content_key(gguf) / name
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    name = model_name(gguf)
+    keyed = cache_root() / content_key(gguf)
+    out = keyed / name
+    if (out / "config.json").is_file() and (out / MARKER).is_file():
+        if _marker(out) != _marker_of(gguf):
+            _write_marker(out, gguf)  # the same bytes at another path (or touched): the weights are read there
         return out
-    staging = out.with_name(f".{name}.{os.getpid()}.tmp")
+    staging = keyed / f".{name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        _dequantize(gguf, staging)
-        (staging / "attnx-gguf.json").write_text(json.dumps({"gguf": str(gguf.resolve()), "name": gguf.name}))
+        _extract(gguf, staging)
+        _write_marker(staging, gguf)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    for old in keyed.iterdir():  # an older attnx's fp32 folder of this file (named with its quant tag)
+        if old.name != name and not old.name.startswith(".") and (old / "model.safetensors").is_file():
+            shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def gguf_of(folder: str | os.PathLike) -> Path | None:
+    """The GGUF a GGUF-backed folder reads its weights from; None for any other folder. One line if the file
+    is gone or changed since the folder was made from it."""
+    folder = Path(folder)
+    if not (folder / MARKER).is_file():
+        return None
+    marker = _marker(folder)
+    path = Path(str(marker.get("gguf", "")))
+    if not path.is_absolute() or not path.is_file():
+        raise FileNotFoundError(f"{folder}: its weights are in {path}, which is gone; export from the .gguf again")
+    if _marker_of(path) != marker:
+        raise ValueError(f"{folder}: {path} changed since this folder was made from it; export from the .gguf "
+                         "again")
+    return path
+
+
+def _marker_of(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _marker(folder: Path) -> dict:
+    try:
+        value = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder / MARKER}: unreadable ({e})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _write_marker(folder: Path, gguf: Path) -> None:
+    tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(_marker_of(gguf)))
+    os.replace(tmp, folder / MARKER)
 
 
 def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
-def _dequantize(gguf: Path, out: Path) -> None:
-    """transformers' loader -> a fresh model of the same class (fp32) -> ``save_pretrained`` into ``out``, with
-    the tokenizer and chat template read from the same file."""
-    import torch
+def _extract(gguf: Path, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer (with its chat template) from the file's metadata,
+    through transformers' GGUF loaders sharing one reader; the tensor table checked to fill the model."""
     import transformers
 
     from attnx.pretrained.folder import check_limits
+    from attnx.pretrained.gguf_tensors import GgufSource, causal_lm_class, reader_of, transformers_reading
 
-    transformers.utils.logging.disable_progress_bar()
-    quiet = logging.getLogger("transformers")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # the loader logs every metadata key it does not map
-    from transformers import modeling_gguf_pytorch_utils as loader
-
-    import gguf as gguf_package
-
-    bar, reader_class = loader.tqdm, gguf_package.GGUFReader
-    loader.tqdm = lambda it, **kw: it  # its own progress bar per tensor: attnx's CLI shows its own progress
-    readers: dict = {}
-    # config, weights and tokenizer each parse the whole metadata again (~100k tokenizer strings, seconds each):
-    # one read-only reader (a memory map) serves the three
-    gguf_package.GGUFReader = lambda path, *a, **kw: readers.get(str(path)) or readers.setdefault(
-        str(path), reader_class(path, *a, **kw))
     try:
+        reader = reader_of(gguf)  # kept: the export's tensor source of this file reuses the parse
+    except Exception as e:  # numpy, struct and ValueError on a broken file
+        raise ValueError(f"{gguf}: transformers cannot read it as a GGUF model ({_one_line(e)})") from None
+    with transformers_reading(reader):
         try:
             config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                              local_files_only=True)
         except Exception as e:  # the gguf reader and transformers raise many types on a broken file
             raise ValueError(f"{gguf}: transformers cannot read it as a GGUF model ({_one_line(e)})") from None
-        check_limits(config.to_dict(), gguf)  # before any tensor is dequantized
+        check_limits(config.to_dict(), gguf)  # before anything is built from it
+        cls = causal_lm_class(config, gguf)
         try:
-            cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-        except (KeyError, ValueError):
-            raise ValueError(f"{gguf}: transformers has no causal LM for its model_type {config.model_type!r}") \
-                from None
-        try:
-            loaded = cls.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                         local_files_only=True)
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                                    local_files_only=True)
         except Exception as e:  # as above: one line, never a traceback
-            raise ValueError(f"{gguf}: transformers cannot load its weights or tokenizer ({_one_line(e)})") from None
-    finally:
-        quiet.setLevel(level)
-        loader.tqdm, gguf_package.GGUFReader = bar, reader_class
-    config = loaded.config
+            raise ValueError(f"{gguf}: transformers cannot read its tokenizer ({_one_line(e)})") from None
     config.architectures = [cls.__name__]
     if hasattr(config, "quantization_config"):
-        del config.quantization_config  # fp32 tensors now, not a quantized model
-    fresh = cls(config).eval()
-    missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
-    tied = {k for k in missing if config.tie_word_embeddings and k.endswith("lm_head.weight")}
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"{gguf}: its tensors do not fill transformers' {cls.__name__} (missing "
-                         f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
-    if tied:
-        fresh.tie_weights()
-    del loaded
-    fresh.save_pretrained(str(out))
+        del config.quantization_config  # the export reads float tensors from it, not a quantized model
+    config.dtype = "float32"  # what transformers' loader gives (every GGUF tensor dequantized to float32)
+    with GgufSource(gguf, config=config, reader=reader) as source:
+        _check_fills(source, config, cls, gguf)
+    config.save_pretrained(str(out))
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+def _check_fills(source, config, cls, gguf: Path) -> None:
+    """Every weight of transformers' model is a tensor of the file (a tied head excepted)."""
+    import torch
+
+    with torch.device("meta"):
+        wanted = set(cls(config).state_dict())
+    missing = sorted(k for k in wanted - set(source.infos())
+                     if not (config.tie_word_embeddings and k.endswith("lm_head.weight")))
+    if missing:
+        raise ValueError(f"{gguf}: its tensors do not fill transformers' {cls.__name__} (missing {missing[:3]}"
+                         f"{' and %d more' % (len(missing) - 3) if len(missing) > 3 else ''})")
+
+
+def fp32_folder(gguf: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """A plain fp32 Hugging Face folder of ``gguf`` at ``out`` (the GGUF-backed folder's files plus a
+    ``model.safetensors`` written tensor by tensor), for tools that read only Hugging Face folders (the
+    benchmarks' peers: onnxruntime-genai's builder, CTranslate2, transformers). attnx itself never needs one.
+    Reused when ``out`` already holds it."""
+    import torch
+
+    from attnx.pretrained.gguf_tensors import GgufSource
+
+    out = Path(out)
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    folder = as_folder(gguf)
+    staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        for file in folder.iterdir():
+            if file.name != MARKER:
+                shutil.copy(file, staging / file.name)
+        with GgufSource.for_folder(folder) as source:
+            infos = source.infos()
+            header, offset = {}, 0
+            for name, info in infos.items():
+                size = 4 * int(np.prod(info.shape, dtype=np.int64))
+                header[name] = {"dtype": "F32", "shape": list(info.shape), "data_offsets": [offset, offset + size]}
+                offset += size
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            with open(staging / "model.safetensors", "wb") as f:
+                f.write(len(blob).to_bytes(8, "little") + blob)
+                for name in infos:  # in the header's order, one tensor in memory at a time
+                    f.write(np.ascontiguousarray(source.read(name).to(torch.float32).numpy()).data)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

@@ -7,8 +7,9 @@ Three layers, each a package:
   ``labels``, ``encode``: embedded use), generation (``decoding``, ``sampling``, ``generate``, ``detokenize``,
   ``scheduler``, ``chat``: chat templates in a worker process).
 - ``wire/``: what every request goes through: the error taxonomy and one status table per wire shape
-  (``errors``), the one envelope (``envelope``), limits, the byte budget and the worker policy (``limits``), the
-  HTTP app (``http``), the gRPC front end (``grpc``), connection bounds (``http_guard``), ``auth``, ``metrics``.
+  (``errors``), the one envelope (``envelope``), limits and the worker policy (``limits``), the byte budget
+  (``budget``), raw-JSON counts (``counts``), the HTTP app (``http``), the gRPC front end (``grpc``), connection
+  bounds (``http_guard``), ``auth``, ``metrics``.
 - ``apis/``: the served APIs over one model registry (``registry``) and typed requests (``requests``): KServe v2
   over HTTP and gRPC (``kserve``, ``kserve_grpc``, ``kserve_tensors``, ``kserve_json``), OpenAI (``openai``,
   ``completions``), TEI (``tei``, ``tei_grpc`` with ``tei.proto``), rerank and classify (``scoring``,

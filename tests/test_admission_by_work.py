@@ -1,8 +1,8 @@
 """A request that cannot start before its queue deadline is refused at once (issue 26, item 12): 8 MB of
 text over gRPC waited 34 s in the queue and ended DEADLINE_EXCEEDED; now it is RESOURCE_EXHAUSTED (413
 over HTTP) as soon as the model's own pace shows it cannot fit, without running it. Here the deadline is
-5 s, the 600 texts are 19 batches of 32 and one batch must fit in the deadline (a cold model runs one to learn
-its pace), so the verdicts hold from a quiet machine to a loaded one."""
+5 s, the 600 texts are 19 batches of 32 and one batch must fit in the deadline (a cold model runs a few rows to
+learn its pace), so the verdicts hold from a quiet machine to a loaded one."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from attnx.runtime import BatcherConfig
-from attnx.runtime.core.pacing import Pace
+from attnx.runtime.core.pacing import PROBE_TOKENS, Pace
 from conftest_runtime import long_text, running_server
 from support import exports
 
@@ -59,13 +59,14 @@ def test_a_warm_model_refuses_what_cannot_start_in_time_before_running_any_of_it
         assert small.shape == (4, 384)
 
 
-def test_a_cold_model_runs_one_batch_to_learn_its_pace_then_refuses_the_rest(minilm):
+def test_a_cold_model_runs_a_few_rows_to_learn_its_pace_then_refuses_the_rest(minilm):
     with serve(minilm) as srv:
         batcher = srv.models["m"].batcher
         with pytest.raises(Exception) as info:
             grpc_text(srv, BIG)
         assert "RESOURCE_EXHAUSTED" in str(info.value.status()), info.value
-        assert batcher.stats.requests == 32  # the probe batch, and nothing after it
+        # the probe (issue 45: PROBE_TOKENS of the 256-token rows, not a whole batch), and nothing after it
+        assert batcher.stats.requests == PROBE_TOKENS // 256 == 2
 
 
 def test_work_queued_ahead_makes_a_request_that_cannot_start_in_time_a_503():

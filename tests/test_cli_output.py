@@ -1,5 +1,7 @@
 """What the CLI prints into a pipe or a CI log (issue 26, friction): tables whole, never cut to 80 columns
-with "…", lines never wrapped mid-number, no spinner line; and `attnx inspect` knows attnx's own ops."""
+with "…", lines never wrapped mid-number, no spinner line but one plain line per stage of a long command (issue 46:
+export, check and quantization said nothing for 10-27 minutes in CI logs and under nohup); and `attnx inspect` knows
+attnx's own ops."""
 
 from __future__ import annotations
 
@@ -50,12 +52,21 @@ def test_check_into_a_pipe_keeps_every_line_whole_and_draws_no_spinner(smal, tmp
     tolerances = next(line for line in run.stdout.splitlines() if line.startswith("tolerances"))
     assert tolerances.rstrip().endswith("mean abs <= 1e-05"), tolerances  # one line, not wrapped at 80
     assert any(line.startswith("PASS") for line in run.stdout.splitlines())
+    stages = [line for line in run.stderr.splitlines() if line.startswith("check smal.onnx: ")]
+    assert len(stages) >= 2 and stages[-1].startswith("check smal.onnx: finished in "), run.stderr
+    assert len(set(stages)) == len(stages)  # each stage once, not a line per update
 
 
-def test_export_into_a_pipe_prints_no_progress_line(tmp_path):
+def test_export_into_a_pipe_prints_one_plain_line_per_stage(tmp_path):
+    from attnx.cli.export_cmd import STEP_LABELS
+
     run = piped("export", "--variant", "mha", "--set", "d_model=32", "--set", "n_heads=4", "--layers", "1",
                 "-o", tmp_path / "m.onnx", cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     out = run.stdout + run.stderr
-    assert not any(c in out for c in SPINNER) and "export mha: done" not in out
+    assert not any(c in out for c in SPINNER) and "export mha: done" not in out  # no progress bar's lines
+    stages = [line.split(": ", 1)[1] for line in run.stderr.splitlines() if line.startswith("export mha: ")]
+    assert stages[-1].startswith("finished in ") and all(f"{label} " in stages[-1] for label in stages[:-1])
+    assert stages[0] == STEP_LABELS["trace"] and STEP_LABELS["save"] in stages, stages
+    assert len(set(stages)) == len(stages), stages  # each stage once, not a line per bytes-written update
     assert str(tmp_path / "m.onnx") in run.stdout

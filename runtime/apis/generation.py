@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from attnx.runtime.core.decoding import Decoder, source_info
 from attnx.runtime.core.generate import Piece
 from attnx.runtime.core.guided import GrammarError, Grammars, json_schema
 from attnx.runtime.core.sampling import SamplingError, SamplingParams
-from attnx.runtime.core.scheduler import GenerationScheduler, SchedulerClosed, SchedulerFull
+from attnx.runtime.core.scheduler import GenerationScheduler, RequestFault, SchedulerClosed, SchedulerFull
 from attnx.runtime.core.session import InputError, Session
 from attnx.runtime.core.text import CHARS_PER_TOKEN, TextTokenizer
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, overloaded, too_large
@@ -54,25 +54,27 @@ class GenerationModel:
     grammars: Grammars | None = None
     version: str = "1"
     capabilities: frozenset = frozenset({GENERATE, TOKENIZE})
+    max_new_tokens: int | None = None  # ``attnx serve --max-new-tokens``: the default and the bound of every request
 
     @classmethod
     def load(cls, name: str, session: Session, tokenizer: TextTokenizer | None, *, max_batch: int,
-             max_queue: int) -> "GenerationModel":
+             max_queue: int, max_positions: int | None = None) -> "GenerationModel":
         if tokenizer is None:  # an engine: the ONNX its sidecar names carries the tokenizer
             info, source = source_info(session)
             tokenizer = TextTokenizer.from_export(source, info) if info is not None else None
         if tokenizer is None:
             raise ValueError(f"model {name!r} generates text but carries no tokenizer (serve it with --tokenizer DIR)")
-        decoder = Decoder(session)
+        decoder = Decoder(session, max_positions=max_positions, bound_by="--max-positions")
         if decoder.max_positions:  # a prompt is read up to what the positions can hold, never past it
             tokenizer.char_cap = decoder.max_positions * CHARS_PER_TOKEN
         profiles = session.profiles or {}
         if isinstance(profiles.get("batch"), list) and str(session.path).endswith((".engine", ".plan")):
             max_batch = min(max_batch, int(profiles["batch"][2]))  # an engine runs no more rows than its profile
+        grammars = Grammars(tokenizer.file, decoder.vocab_size or tokenizer.vocab_size, decoder.layout.eos)
+        grammars.load()  # its llguidance tokenizer now, not on the first guided request
         return cls(name, session, decoder, tokenizer,
                    GenerationScheduler(decoder, tokenizer, max_batch=max_batch, max_queue=max_queue, name=name),
-                   ChatTemplate.from_folder(tokenizer.file.parent),
-                   Grammars(tokenizer.file, decoder.vocab_size or tokenizer.vocab_size, decoder.layout.eos))
+                   ChatTemplate.from_folder(tokenizer.file.parent), grammars)
 
     # --- what the registry asks of every model ---------------------------------------------------------
     @property
@@ -108,21 +110,47 @@ class GenerationModel:
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         self.scheduler.close(drain=drain, timeout=timeout)
+        if self.grammars is not None:
+            self.grammars.close()
 
     def describe(self) -> list[str]:
         cache = self.decoder.layout
         names = ", ".join(sorted({t.input.split(".", 2)[-1] for t in cache.tensors}))
         return [f"model {self.name}: {self.session.path} ({self.session.provider}) generates text",
-                f"  KV cache: {len(cache.tensors)} tensors ({names}), {self.decoder.max_positions or '?'} positions, "
+                f"  KV cache: {len(cache.tensors)} tensors ({names}), {self.decoder.positions_text}, "
                 f"end of sequence {list(cache.eos) or '-'}",
+                f"  {self.decoder.kv_footprint().describe(self.scheduler.max_batch)}",
                 f"  -> batched per decoding step: at most {self.scheduler.max_batch} sequences, "
                 f"{self.scheduler.max_queue} waiting; chat template: {'yes' if self.chat else 'no'}"]
 
+    def configure(self, *, max_new_tokens: int | None = None, chat_template: ChatTemplate | None = None) -> None:
+        """The serve options that are the deployment's, not the export's (``--max-new-tokens``, ``--chat-template``)."""
+        if max_new_tokens is not None:
+            self.max_new_tokens = max_new_tokens
+        if chat_template is not None:
+            self.chat = chat_template
+
     # --- requests --------------------------------------------------------------------------------------
+    def new_tokens(self, asked: int | None) -> int:
+        """Tokens a request may generate: what it asked for, else the server's ``--max-new-tokens``, else until the
+        positions run out; a request asking for more than ``--max-new-tokens`` is clamped to it (vLLM's
+        ``max_new_tokens`` override clamps the same way; ``finish_reason`` "length" says so)."""
+        cap = self.max_new_tokens
+        wanted = asked or cap or self.decoder.max_positions or 1 << 30
+        return min(wanted, cap) if cap else wanted
+
+    def check_logit_bias(self, bias) -> None:
+        """``logit_bias``'s token ids are this model's (a 400 naming the first that is not)."""
+        vocab = self.decoder.vocab_size or self.tokenizer.vocab_size
+        bad = next((t for t, _ in bias or () if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise bad_input(f"'logit_bias': token id {bad} is outside model {self.name!r}'s vocabulary [0, {vocab})",
+                            "logit_bias")
+
     async def prompt_ids(self, prompt: str | list[int], workers: Workers, param: str = "prompt",
-                         special: bool = True) -> list[int]:
+                         special: bool = True, positions: bool = True) -> list[int]:
         """A text (tokenised off the loop; ``special``: its BOS and the like added) or token ids, checked
-        against the vocabulary and the positions: the prompt of one generation."""
+        against the vocabulary and (``positions``) the positions: the prompt of one generation."""
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_input(f"'{param}' is empty", param)
@@ -139,30 +167,33 @@ class GenerationModel:
                 raise bad_input(f"'{param}': token id {bad} is outside the model's vocabulary [0, {vocab})", param)
             ids = list(prompt)
         limit = self.decoder.max_positions
-        if limit and len(ids) >= limit:
-            raise bad_input(f"'{param}' has {len(ids)} tokens; the model has {limit} positions, so a prompt must be "
-                            f"shorter than {limit} tokens", param)
+        if positions and limit and len(ids) >= limit:
+            raise bad_input(f"'{param}' has {len(ids)} tokens; the model has {self.decoder.positions_text}, so a "
+                            f"prompt must be shorter than {limit} tokens", param)
         return ids
 
-    async def render(self, renderer: Renderer, messages: list[dict], tools, workers: Workers) -> str:
-        """The conversation as the chat template writes it, ending where the assistant's turn begins."""
+    async def render(self, renderer: Renderer, messages: list[dict], tools, workers: Workers,
+                     generation_prompt: bool = True) -> str:
+        """The conversation as the chat template writes it, ending where the assistant's turn begins (in this model's
+        own render pool: another model's slow template never delays it)."""
         if self.chat is None:
             raise bad_input(f"model {self.name!r} has no chat template (its tokenizer folder has none): use "
                             "/v1/completions", "messages")
         cap = self.tokenizer.char_cap or (1 << 22)
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(renderer.render, self.chat, messages, tools=tools, max_chars=cap))
+            return await asyncio.wrap_future(renderer.submit(self.name, self.chat, messages, tools=tools,
+                                                             max_chars=cap, add_generation_prompt=generation_prompt))
         except ChatError as e:
             raise ProtocolError(Kind.TOO_LARGE if e.too_large else Kind.BAD_INPUT, str(e), "messages") from None
 
-    async def guides(self, grammar: str | None, count: int, workers: Workers, param: str) -> list:
-        """``count`` fresh matchers of ``grammar`` (compiled off the loop; the first builds the model's llguidance
-        tokenizer), or ``[None] * count`` without one."""
+    async def guides(self, grammar: str | Callable[[], str] | None, count: int, workers: Workers,
+                     param: str) -> list:
+        """``count`` fresh guides of ``grammar`` (compiled once, on the model's grammar threads, under its time and
+        fuel budgets: :mod:`attnx.runtime.core.guided`), or ``[None] * count`` without one."""
         if grammar is None:
             return [None] * count
         try:
-            return [await workers.run(functools.partial(self.grammars.guide, grammar), cost=1) for _ in range(count)]
+            return await self.grammars.guides(grammar, count)
         except GrammarError as e:
             raise bad_input(f"'{param}': {e}", param) from None
 
@@ -185,7 +216,8 @@ def sampling(body, max_tokens: int | None, names: Mapping[str, str] | None = Non
                               do_sample=temperature > 0, stop=(body.stop,) if isinstance(body.stop, str) else
                               tuple(body.stop or ()), seed=body.seed, ignore_eos=body.ignore_eos,
                               presence_penalty=getattr(body, "presence_penalty", None) or 0.0,
-                              frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0, logprobs=logprobs)
+                              frequency_penalty=getattr(body, "frequency_penalty", None) or 0.0, logprobs=logprobs,
+                              logit_bias=getattr(body, "logit_bias", None) or ())
     except SamplingError as e:
         key = names.get(e.param or "", e.param)
         raise bad_input(str(e).replace(f"{e.param} ", f"'{key}' ", 1) if e.param else str(e), key) from None
@@ -209,19 +241,17 @@ def check_room(model: GenerationModel, prompt_tokens: int, body, key: str) -> No
     OpenAI answer (a default is cut at the positions instead)."""
     positions, asked = model.decoder.max_positions, getattr(body, key)
     if positions and asked and key in body.model_fields_set and prompt_tokens + asked > positions:
-        raise bad_input(f"model {model.name!r} has {positions} positions, but {prompt_tokens} prompt tokens + "
+        raise bad_input(f"model {model.name!r} has {model.decoder.positions_text}, but {prompt_tokens} prompt tokens + "
                         f"'{key}' {asked} need more: ask for at most {max(positions - prompt_tokens, 0)}", key)
 
 
-def response_grammar(body) -> str | None:
-    """The grammar of a request's ``response_format`` (None: free text)."""
+def response_grammar(body) -> Callable[[], str] | None:
+    """What builds the grammar of a request's ``response_format`` (None: free text); it runs where the grammar
+    compiles, off the loop (checking a schema's size walks it)."""
     fmt = getattr(body, "response_format", None)
     if fmt is None or fmt.type == "text":
         return None
-    try:
-        return json_schema(fmt.json_schema["schema"] if fmt.type == "json_schema" else None)
-    except GrammarError as e:
-        raise bad_input(f"'response_format': {e}", "response_format") from None
+    return functools.partial(json_schema, fmt.json_schema.schema_ if fmt.type == "json_schema" else None)
 
 
 async def pieces(model: GenerationModel, prompt: list[int], params: SamplingParams,
@@ -231,8 +261,8 @@ async def pieces(model: GenerationModel, prompt: list[int], params: SamplingPara
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()  # pieces from the scheduler's thread to this loop
     deliver = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
     try:
-        handle = model.scheduler.submit(prompt, params, deliver,
-                                        lambda message: deliver(ProtocolError(Kind.INTERNAL, message)), context, guide)
+        handle = model.scheduler.submit(prompt, params, deliver, lambda message: deliver(ProtocolError(
+            Kind.BAD_INPUT if isinstance(message, RequestFault) else Kind.INTERNAL, message)), context, guide)
     except InputError as e:
         raise bad_input(str(e), "context" if context else "prompt") from None
     except SchedulerFull as e:

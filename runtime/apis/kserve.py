@@ -101,7 +101,7 @@ async def infer(name: str, request: Request, version: str | None = None):
 
         def decode(body: bytes) -> InferRequest:
             body = codec.decompress(body, encoding, s.limits.max_body_bytes)
-            return codec.parse_infer_request(body, header, model.signature, s.limits)
+            return codec.parse_infer_request(body, header, model.signature, s.limits, f"POST {request.url.path}")
 
         async with s.envelope.admitted(model):  # a full queue refuses before a byte of the body is read
             parsed = await s.envelope.body(request, call, decode)

@@ -2,7 +2,8 @@
 messages ``tritonclient`` ships (Triton's ``grpc_service.proto``). Live, ready, metadata, config, index and
 ``ModelInfer`` (``raw_input_contents`` or typed ``contents``, ``BYTES`` text too; outputs as
 ``raw_output_contents``, as Triton sends them); the rest answer UNIMPLEMENTED. Requests are checked and run exactly
-as over HTTP (:func:`attnx.runtime.apis.kserve.run`), inside the server's one envelope.
+as over HTTP (:func:`attnx.runtime.apis.kserve.run`), inside the server's one envelope; a message's bytes are
+charged to the byte budget as held while it is decoded (on the worker thread when big).
 """
 
 from __future__ import annotations
@@ -108,10 +109,14 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if INFER not in model.capabilities:
             raise bad_input(f"model {model.name!r} generates text: use /v2/models/{model.name}/generate over HTTP")
         async with self.s.envelope.admitted(model):  # a full queue refuses before anything is decoded
-            async with self.s.envelope.budget.hold(request.ByteSize(), self.s.limits.decode_wait_s):
-                parsed = proto.build_infer_request(request.id or None, _parameters(request.parameters),
-                                                   wire_tensors(request), requested_outputs(request),
-                                                   model.signature, self.s.limits)
+            # The message arrived whole before this ran: its bytes are charged as held (never waiting for room, so
+            # an HTTP body never waits on a gRPC one that is queued), and decoded on the worker when big.
+            size = request.ByteSize()
+            async with self.s.envelope.budget.held(size):
+                parsed = await self.s.envelope.workers.run(
+                    lambda: proto.build_infer_request(request.id or None, _parameters(request.parameters),
+                                                      wire_tensors(request), requested_outputs(request),
+                                                      model.signature, self.s.limits), cost=size)
         outputs = await run(self.s, model, parsed)
         return encode_response(model, parsed, outputs)
 

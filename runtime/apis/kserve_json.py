@@ -23,6 +23,7 @@ import orjson
 
 from attnx.runtime.apis.kserve_tensors import InferRequest, ModelSignature, WireTensor, build_infer_request, \
     triton_dtype
+from attnx.runtime.wire.counts import check_json
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, too_large
 from attnx.runtime.wire.limits import Limits
 
@@ -100,8 +101,8 @@ def _number_lists(part) -> list[tuple[int, int]]:
 def _count(part, value: bytes, start: int, end: int) -> int:
     """``part.count(value, start, end)`` in slices, letting the GIL go between them."""
     total = 0
-    for pos in range(start, end, _SLICE * 16):
-        total += part.count(value, pos, min(end, pos + _SLICE * 16))
+    for pos in range(start, end, _SLICE):
+        total += part.count(value, pos, min(end, pos + _SLICE))
         _yield()
     return total
 
@@ -176,9 +177,13 @@ def _decode_numbers(part, start: int, end: int, narrow: np.dtype | None = None) 
     return out if out is not None and filled == count else None
 
 
-def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignature, limits: Limits) -> InferRequest:
-    """Parse and check a whole HTTP infer request body against the model's signature."""
+def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignature, limits: Limits,
+                        where: str = "infer") -> InferRequest:
+    """Parse and check a whole HTTP infer request body against the model's signature. Its JSON part is first
+    held to the strings a KServe body may carry (:func:`~attnx.runtime.wire.counts.check_json`: ``BYTES`` texts;
+    numbers are not bounded there, tensors legitimately hold millions)."""
     json_part, binary_part = split_body(body, header_length)
+    check_json(json_part, limits.json_bound("kserve"), where)
     try:
         req = parse_json(json_part)
     except ProtocolError as e:

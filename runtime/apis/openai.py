@@ -6,7 +6,8 @@ model's own vocabulary), ``model`` (may be left out when one model embeds), ``en
 ``base64``, little-endian float32, which the client asks for unless told otherwise), ``dimensions`` (Matryoshka
 style, where ``attnx serve --dimensions`` allows it), ``user`` (ignored); attnx's ``truncate`` (default true, as
 sentence-transformers cuts) and ``context`` (a placed variant's per-example inputs) go in ``extra_body``. Usage
-counts the export's own tokens after truncation. ``/v1/models`` lists every served model. Errors are OpenAI's
+counts the export's own tokens after truncation. ``/v1/models`` lists every served model (a text generator with its
+context, ``max_model_len``, as vLLM lists it). Errors are OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` with the OpenAI table of :mod:`attnx.runtime.wire.errors`.
 """
 
@@ -30,14 +31,19 @@ from attnx.runtime.wire.http import serving
 router = APIRouter(tags=["OpenAI"])
 
 
-def card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "attnx"}
+def card(name: str, created: int, model=None) -> dict:
+    """A model's entry; a text generator's says its context (``max_model_len``, as vLLM's cards do)."""
+    out = {"id": name, "object": "model", "created": created, "owned_by": "attnx"}
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:
+        out["max_model_len"] = decoder.max_positions
+    return out
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
     s = serving(request)
-    cards = [card(name, s.started) for name in s.registry.models]
+    cards = [card(name, s.started, model) for name, model in s.registry.models.items()]
     return Response(json.dumps({"object": "list", "data": cards}), media_type="application/json")
 
 
@@ -46,7 +52,8 @@ async def get_model(model_id: str, request: Request):
     s = serving(request)
     if model_id not in s.registry.models:
         return error_response(OPENAI_SHAPE, not_found(f"The model {model_id!r} does not exist on this server"))
-    return Response(json.dumps(card(model_id, s.started)), media_type="application/json")
+    answer = card(model_id, s.started, s.registry.models[model_id])
+    return Response(json.dumps(answer), media_type="application/json")
 
 
 @router.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
@@ -55,7 +62,8 @@ async def embeddings(request: Request):
     s = serving(request)
 
     async def work(call) -> Response:
-        body = await s.envelope.body(request, call, lambda raw: parse(EmbeddingRequest, raw, s.string_cap))
+        body = await s.envelope.body(request, call, lambda raw: parse(EmbeddingRequest, raw, s.string_cap),
+                                     counts="texts")
         model = call.named(s.registry.pick(body.model, EMBED))
         full = full_size(model)
         s.dimensions.size(model.name, full, body.dimensions)  # a bad size is refused before anything runs

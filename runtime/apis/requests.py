@@ -1,10 +1,13 @@
 """Every JSON request the server takes, declared once (pydantic): strict types, the documented defaults.
 
-OpenAI's, TEI's, Cohere/Jina's rerank, Infinity's classify, Triton's generate, and KServe v2's infer body
-(:class:`InferBody`, for the OpenAPI document; its tensors are decoded by :mod:`attnx.runtime.apis.kserve_json`).
+OpenAI's, vLLM's tokenize, TEI's, Cohere/Jina's rerank, Infinity's classify, Triton's generate, and KServe v2's infer
+body (:class:`InferBody`, for the OpenAPI document; its tensors are decoded by :mod:`attnx.runtime.apis.kserve_json`).
 ``"1"`` is not a number, ``1.0`` not an integer, ``NaN`` and ``1e999`` not a float; a field left out takes the
-default its API documents; unknown fields are ignored. :func:`parse` validates a body inside the envelope's budgeted
-read and turns the first problem into one ProtocolError line naming its field (``param``).
+default its API documents. OpenAI's bodies take every field of OpenAI's CreateCompletionRequest and
+CreateChatCompletionRequest: each is honoured, or refused with a 400 naming it when given a value attnx cannot
+honour; a field outside the schema is ignored and logged once per name (:mod:`~attnx.runtime.apis.tool_requests`);
+other APIs' unknown fields are ignored. :func:`parse` validates a body inside the envelope's budgeted read and turns
+the first problem into one ProtocolError line naming its field (``param``).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
+from attnx.runtime.apis.tool_requests import (MAX_TOOLS, NAME_PATTERN, ChatRefusals, CompletionRefusals,
+                                              FunctionDefinition, FunctionName, NamedToolChoice, OpenAIFields,
+                                              ResponseFormat, Tool, legacy_tools)
 from attnx.runtime.wire.errors import Kind, ProtocolError
 from attnx.runtime.wire.limits import cut_long_strings
 
@@ -25,6 +31,8 @@ class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
     #: field -> what it must be, said for any problem with it (for unions pydantic would explain member by member)
     musts: ClassVar[dict[str, str]] = {}
+    #: fields whose inner problems are named by their whole path (``tools[0].function.name``), not the last key
+    paths: ClassVar[frozenset] = frozenset()
 
 
 def fail(message: str, kind: Kind = Kind.BAD_INPUT):
@@ -123,24 +131,11 @@ class EmbeddingRequest(Body):
     musts: ClassVar = {"dimensions": "must be an integer"}
 
 
-class ResponseFormat(Body):
-    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema`` (``{"name", "schema", "strict"}``)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _schema(self):
-        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
-            fail("'response_format.json_schema.schema' must be a JSON schema object")
-        return self
-
-
 Penalty = Annotated[float | None, Field(ge=-2, le=2)]
 TopLogprobs = Annotated[int | None, Field(ge=0, le=20)]
 
 
-class Sampling(Body):
+class Sampling(Body, OpenAIFields):
     """What completions and chat share: the sampling fields OpenAI documents, and attnx's extensions."""
 
     model: Model = None
@@ -154,23 +149,17 @@ class Sampling(Body):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     response_format: ResponseFormat | None = None
-    best_of: int | None = None
     user: str | None = None
     top_k: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None
     repetition_penalty: Annotated[float | None, Field(ge=0.01, le=100)] = None
     ignore_eos: bool = False
     context: Context = None
-    musts: ClassVar = {"stop": "must be a string or a list of strings"}
-
-    @field_validator("best_of")
-    @classmethod
-    def _unsupported(cls, value, info):  # refused, not ignored
-        if value not in (None, 1):
-            fail(f"'{info.field_name}' is not supported")
-        return value
+    musts: ClassVar = {"stop": "must be a string or a list of strings",
+                       "logit_bias": "must be an object {\"token id\": bias in [-100, 100]}"}
+    paths: ClassVar = frozenset({"logit_bias"})
 
 
-class CompletionRequest(Sampling):
+class CompletionRequest(Sampling, CompletionRefusals):
     """``POST /v1/completions``."""
 
     prompt: Annotated[str | list[int] | list[str | list[int]], texts_or_ids("prompt")]
@@ -202,29 +191,49 @@ class ChatMessage(BaseModel):
         return value
 
 
-class ChatRequest(Sampling):
+class ChatRequest(Sampling, ChatRefusals):
     """``POST /v1/chat/completions``: ``messages`` rendered by the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int | None, Field(ge=1, le=MAX_INT)] = None
     max_completion_tokens: Annotated[int | None, Field(ge=1, le=MAX_INT)] = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: Annotated[list[Tool] | None, Field(max_length=MAX_TOOLS)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    functions: Annotated[list[FunctionDefinition] | None, Field(max_length=MAX_TOOLS)] = None  # legacy ``tools``
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy ``tool_choice``
     logprobs: bool | None = False
     top_logprobs: TopLogprobs = None
+    safety_identifier: str | None = None
+    musts: ClassVar = {**Sampling.musts, "tool_choice": "must be \"none\", \"auto\", \"required\" or {\"type\": "
+                       "\"function\", \"function\": {\"name\": NAME}}",
+                       "function_call": "must be \"none\", \"auto\" or {\"name\": NAME}"}
+    paths: ClassVar = frozenset({"response_format", "tools", "tool_choice", "functions", "logit_bias"})
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value, info):
+        tools = info.data.get("tools")
+        if value not in (None, "none") and not tools:
+            fail("'tool_choice' needs 'tools'")
+        if isinstance(value, NamedToolChoice) and value.function.name not in [t.function.name for t in tools]:
+            fail(f"'tool_choice' names the function {value.function.name!r}, which is not one of 'tools'")
+        return value
 
     @model_validator(mode="after")
     def _choices(self):
         if self.top_logprobs is not None and not self.logprobs:
             fail("'top_logprobs' needs 'logprobs': true")
-        named = self.tool_choice if isinstance(self.tool_choice, dict) else None
-        if self.tool_choice not in (None, "none") and not self.tools:
-            fail("'tool_choice' needs 'tools'")
-        if named is not None and (named.get("function") or {}).get("name") not in \
-                [(t.get("function") or {}).get("name") for t in self.tools or ()]:
-            fail("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                 "\"function\": {\"name\": NAME}} naming one of 'tools'")
+        if self.functions is not None or self.function_call is not None:
+            if self.tools is not None or self.tool_choice is not None:
+                fail("'functions' / 'function_call' (the legacy form) and 'tools' / 'tool_choice' cannot both be "
+                     "given")
+            for name, value in zip(("tools", "tool_choice"), legacy_tools(self.functions, self.function_call)):
+                object.__setattr__(self, name, value)  # answered in the legacy form too (message.function_call)
         return self
+
+    def tool_dicts(self) -> list[dict] | None:  # as templates and grammars read them
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 # --- TEI ------------------------------------------------------------------------------------------------
@@ -412,9 +421,11 @@ def openapi_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def openapi_schemas() -> dict:
-    """The JSON schema of every request body and of what they contain, for ``components.schemas``."""
-    _, top = models_json_schema([(m, "validation") for m in JSON_BODIES], ref_template="#/components/schemas/{model}")
+def openapi_schemas(more: tuple = ()) -> dict:
+    """The JSON schema of every request body (and ``more``, declared beside their routes) and of what they contain,
+    for ``components.schemas``."""
+    bodies = [*JSON_BODIES, *more]
+    _, top = models_json_schema([(m, "validation") for m in bodies], ref_template="#/components/schemas/{model}")
     return top["$defs"]
 
 
@@ -448,13 +459,19 @@ def _error(model: type[Body], error: dict) -> ProtocolError:
         return ProtocolError(Kind.BAD_INPUT, f"the body is not valid JSON ({error['ctx']['error']})")
     if not loc:
         return ProtocolError(Kind.BAD_INPUT, "the body must be a JSON object")
-    name = (f"'{loc[-1]}'" if all(isinstance(p, str) for p in loc) else
-            str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:]))
+    path = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    whole = len(loc) > 1 and loc[0] in getattr(model, "paths", ())  # tools[0].function.name, quoted
+    name = f"'{path}'" if whole else f"'{loc[-1]}'" if all(isinstance(p, str) for p in loc) else path
     musts = getattr(model, "musts", {})
     if kind != "missing" and (str(loc[-1]) in musts or str(loc[0]) in musts):
         phrase = musts.get(str(loc[-1])) or musts[str(loc[0])]
     elif kind in _BOUNDS:
         phrase = f"must be {_BOUNDS[kind]} {next(iter(error['ctx'].values()))}"
+    elif kind == "string_pattern_mismatch":
+        phrase = "must be 1 to 64 letters, digits, '_' or '-'" if error["ctx"]["pattern"] == NAME_PATTERN else \
+            f"must match {error['ctx']['pattern']}"
+    elif kind == "too_long":
+        phrase = f"must have at most {error['ctx'].get('max_length')} items"
     elif kind == "literal_error":
         phrase = f"must be one of [{error['ctx']['expected'].replace(' or ', ', ')}]"
     elif kind == "value_error":

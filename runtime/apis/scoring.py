@@ -55,7 +55,8 @@ async def run_body(request: Request, choose) -> Response:
     s, shape = serving(request), [TEI]
 
     async def work(call: Call) -> Response:
-        body = await s.envelope.body(request, call, lambda raw: _json(cut_long_strings(raw, s.string_cap)))
+        body = await s.envelope.body(request, call, lambda raw: _json(cut_long_strings(raw, s.string_cap)),
+                                     counts="texts")
         model, handler, shape[0] = choose(s, body)
         return await handler(s, call, parse(model, body))
 

@@ -2,9 +2,11 @@
 service on the same port: a client generated from TEI's ``tei.proto`` works unchanged. ``Info``; ``Embed`` (one
 text: its sentence embedding, ``normalize`` true unless set false, ``dimensions`` where allowed), ``EmbedAll``
 (its token embeddings); ``Predict``, ``PredictPair``; ``Rerank`` and ``RerankStream`` (one (query, text) a
-message); ``Tokenize``, ``Decode``; the ``...Stream`` forms answer in order while their requests run
-concurrently. ``EmbedSparse`` is UNIMPLEMENTED (no SPLADE model). With several models, the gRPC metadata key
-``model`` names one (an attnx extension). Every call goes through the server's envelope.
+message); ``Tokenize``, ``Decode`` (at most ``--max-request-tokens`` ids, decoded on the worker thread); the
+``...Stream`` forms answer in order while their requests run concurrently (a window of them in flight, the whole
+stream one source to the batcher, so it takes turns with other clients: ``Envelope.grpc_stream``). ``EmbedSparse``
+is UNIMPLEMENTED (no SPLADE model). With several models, the gRPC metadata key ``model`` names one (an attnx
+extension). Every call goes through the server's envelope.
 
 The messages come from ``tei.proto`` beside this module (TEI's published interface, written out here), which
 protoc (grpcio-tools) compiles into a descriptor set when the gRPC port opens; the classes live in a private
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from pydantic_core import PydanticCustomError
 
@@ -199,11 +202,21 @@ class TeiHandlers:
 
     async def Decode(self, request, context, call):
         model = self._model(context, call, TOKENIZE)
-        vocab = model.tokenizer.vocab_size
-        bad = next((i for i in request.ids if i >= vocab), None)
-        if bad is not None:
-            raise bad_input(f"token id {bad} is outside the vocabulary (size {vocab})", "ids")
-        return messages()["DecodeResponse"](text=model.tokenizer.decode(request.ids, request.skip_special_tokens))
+        count, most = len(request.ids), self.s.limits.max_request_tokens
+        if most is not None and count > most:  # counted before a single id is read
+            raise ProtocolError(Kind.TOO_MANY, f"'ids' has {count} token ids, over the limit of {most} per request "
+                                               f"(--max-request-tokens)", "ids")
+        return messages()["DecodeResponse"](text=await self.s.envelope.workers.run(
+            _decode, model.tokenizer, request.ids, request.skip_special_tokens, cost=count * 8))
+
+
+def _decode(tokenizer, ids, skip_special_tokens: bool) -> str:
+    """Token ids back to text, on the worker thread (its cost grows with the ids), checked against the vocabulary."""
+    ids = np.asarray(ids, dtype=np.int64)
+    bad = ids[ids >= tokenizer.vocab_size]
+    if bad.size:
+        raise bad_input(f"token id {int(bad[0])} is outside the vocabulary (size {tokenizer.vocab_size})", "ids")
+    return tokenizer.decode(ids.tolist(), skip_special_tokens)
 
 
 class TeiService:

@@ -13,7 +13,10 @@ Rules, all derived from the model's batch and seq axes (:mod:`attnx.runtime.core
 - If any input or output lacks a ``batch`` axis, requests never share a run.
 - Lengths in one batch stay within ``max_length_ratio`` (longest/shortest, default 1.5) because padding costs compute;
   ``None`` pads anything. ``max_batch_tokens`` optionally caps rows x padded length.
-- The oldest waiting request is always in the next batch (no starvation).
+- Sources take turns (issue 45): the next batch is built around the oldest request of the source served longest
+  ago (a source is an asyncio task, i.e. one HTTP or gRPC request, a gRPC stream as a whole (:data:`SOURCE`), or a
+  thread), so a client's hundreds of queued rows hold a neighbour's one row back by the batch running at most, and
+  every source is served in turn (no starvation). With one source, that is the oldest request, as before.
 - ``max_batch_size`` counts rows: a request may carry several rows itself, but never more than ``max_batch_size``.
 - Queue limit: ``submit`` refuses at once (:class:`QueueFullError`) when ``max_queue_size`` requests are waiting;
   nothing queues forever.
@@ -32,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
@@ -44,6 +48,25 @@ import numpy as np
 from attnx.runtime.core.layout import BatchLayout, Prepared
 from attnx.runtime.core.pacing import Pace
 from attnx.runtime.core.session import InputError, Session, model_input_error
+
+
+#: Who a request comes from, where one caller's requests span tasks (a gRPC stream's messages run as tasks of
+#: their own): set it, and :meth:`DynamicBatcher.submit` counts them as one source. Unset: the current asyncio task,
+#: else the thread.
+SOURCE: contextvars.ContextVar[object | None] = contextvars.ContextVar("attnx_batch_source", default=None)
+#: Sources whose last turn is remembered (the least recently served are forgotten first: they count as new).
+_SOURCES_REMEMBERED = 1024
+
+
+def current_source() -> int:
+    """The key of the caller :data:`SOURCE` names, else of its asyncio task, else of its thread."""
+    found = SOURCE.get()
+    if found is None:
+        try:
+            found = asyncio.current_task()
+        except RuntimeError:  # no running loop: a thread of its own
+            found = None
+    return id(found) if found is not None else threading.get_ident()
 
 
 class QueueFullError(RuntimeError):
@@ -65,7 +88,7 @@ class BatcherConfig:
     ``max_length_ratio``: the longest sequence in a batch is at most this many times the shortest (None: pad anything
     to anything). Padding is paid for in compute: on a CPU a batch costs about its padded tokens, so padding 16-token
     requests to 128 costs more than batching saves; requests of very different lengths therefore go in separate
-    batches (the oldest request is always in the next batch).
+    batches (each source's oldest request gets its turn: module doc).
 
     ``max_batch_tokens``: cap on rows x padded length per batch (None: no cap). On a CPU, long sequences are already
     compute-bound one at a time, and big padded batches only thrash the caches; the cap keeps batching for the short
@@ -112,6 +135,7 @@ class _Request:
     output_names: list[str] | None
     enqueued: float
     deadline: float | None
+    source: int = 0
 
 
 @dataclass
@@ -160,6 +184,8 @@ class DynamicBatcher:
         self.stats = BatcherStats()
         self.pace = Pace()  # the best rate seen, for admission by work (attnx.runtime.core.pacing)
         self._waiting: deque[_Request] = deque()
+        self._turns: OrderedDict[int, int] = OrderedDict()  # source -> the number of the batch it was last in
+        self._batch_number = 0
         self._cond = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._work, name=f"attnx-batcher-{self.name}", daemon=True)
@@ -200,7 +226,7 @@ class DynamicBatcher:
         now = time.perf_counter()
         limits = [t for t in (self.config.timeout_ms, timeout_ms) if t is not None]
         deadline = now + min(limits) / 1000.0 if limits else None
-        request = _Request(prepared, concurrent.futures.Future(), output_names, now, deadline)
+        request = _Request(prepared, concurrent.futures.Future(), output_names, now, deadline, current_source())
         with self._cond:
             if self._closed:
                 raise BatcherClosedError(f"model {self.name!r} is shutting down")
@@ -255,7 +281,7 @@ class DynamicBatcher:
                 self._run(batch)
 
     def _next_batch(self) -> list[_Request] | None:
-        """Wait for requests, then take the oldest and what fits with it (None = shut down)."""
+        """Wait for requests, then take the next batch (:meth:`_take`; None = shut down)."""
         cfg = self.config
         with self._cond:
             while not self._waiting:
@@ -287,7 +313,8 @@ class DynamicBatcher:
         return sum(r.prepared.rows for r in self._waiting if self._joins(oldest, r))
 
     def _take(self, oldest: _Request) -> list[_Request]:
-        """Remove and return the next batch: the oldest live request plus what fits with it.
+        """Remove and return the next batch: the anchor (:meth:`_anchor`: the oldest live request of the source
+        whose turn it is) plus what fits with it.
 
         Others are chosen closest in length first (then oldest first), and kept only
         while the batch's longest/shortest stays within ``max_length_ratio``, its
@@ -310,12 +337,12 @@ class DynamicBatcher:
         if not alive:
             self._waiting = deque()
             return []
-        anchor = alive[0]
+        anchor = self._anchor(alive)
         chosen = [anchor]
         if self.layout.can_batch:
             ratio, length = self.config.max_length_ratio, anchor.prepared.length
             cap = self.config.max_batch_tokens
-            candidates = [r for r in alive[1:] if r.prepared.key == anchor.prepared.key]
+            candidates = [r for r in alive if r is not anchor and r.prepared.key == anchor.prepared.key]
             if (ratio is not None or cap is not None) and length is not None:
                 candidates.sort(key=lambda r: (abs(math.log(r.prepared.length / length)), r.enqueued))
             rows = anchor.prepared.rows
@@ -336,8 +363,20 @@ class DynamicBatcher:
                     break
         picked = set(map(id, chosen))
         self._waiting = deque(r for r in alive if id(r) not in picked)
+        self._batch_number += 1
+        for req in chosen:
+            self._turns[req.source] = self._batch_number
+            self._turns.move_to_end(req.source)
+        while len(self._turns) > _SOURCES_REMEMBERED:
+            self._turns.popitem(last=False)
         # False from set_running_or_notify_cancel: the caller cancelled just now; drop it.
         return [r for r in chosen if r.future.set_running_or_notify_cancel()]
+
+    def _anchor(self, alive: list[_Request]) -> _Request:
+        """The request the next batch is built around: the oldest of the source whose last turn is longest ago
+        (a source never served, or forgotten, first)."""
+        turns = self._turns
+        return min(alive, key=lambda r: turns.get(r.source, -1))  # min keeps the first (oldest) of equals
 
     def _run(self, batch: list[_Request]) -> None:
         wanted = self._wanted_outputs(batch)

@@ -7,12 +7,15 @@ and a ``namespace`` refusing underscore names; the template sees ``messages`` (N
 ``documents``, ``add_generation_prompt`` and the tokenizer's named special tokens. A template is code from a model
 folder driven by a request, so it never runs in the server: compiled once at load (a syntax error is refused then),
 rendered by :class:`Renderer` in a worker process (``python -I`` on this file: stdlib and jinja2, its address
-space capped), killed past the time budget, stopped as soon as its output passes the size budget. Whatever it
+space capped), killed past the time budget, stopped as soon as its output passes the size budget; each model has its
+own workers and queue (a pool), so a template that loops on one model never delays another model's chat. Whatever it
 cannot do for a request is a one-line :class:`ChatError`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -76,6 +79,27 @@ class ChatTemplate:
                 raise ValueError(f"{folder}: chat template {name!r} does not compile: {e}") from None
         return template
 
+    @classmethod
+    def from_file(cls, path: Path, folder: Path | None = None) -> "ChatTemplate":
+        """``attnx serve --chat-template FILE``: a Jinja file (or a ``tokenizer_config.json``-style JSON with
+        ``chat_template``) replacing the folder's template, with the folder's special tokens (``bos_token``, ...)."""
+        path = Path(path)
+        source = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            import json
+
+            found = json.loads(source).get("chat_template")
+            if not isinstance(found, str):
+                raise ValueError(f"{path}: no 'chat_template' string in it")
+            source = found
+        base = cls.from_folder(folder) if folder is not None else None
+        template = cls({"default": source}, dict(base.specials) if base is not None else {})
+        try:
+            environment().parse(source)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and the like
+            raise ValueError(f"{path}: chat template does not compile: {e}") from None
+        return template
+
     def pick(self, tools) -> str:
         """The template a request renders with (transformers' ``get_chat_template``)."""
         if tools and "tool_use" in self.templates:
@@ -84,66 +108,106 @@ class ChatTemplate:
 
 
 class Renderer:
-    """Renders chat templates in worker processes (module doc), at most ``workers`` at once; thread-safe."""
+    """Renders chat templates in worker processes (module doc); thread-safe. Each ``pool`` (the server keys them by
+    model) has its own ``workers`` processes and threads and its own queue, so one model's slow template never
+    delays another model's chat. A worker process is ~25 MB (python -I with jinja2): ``workers`` x the models with
+    a template, started as their first requests come (or at load with :meth:`warm`)."""
 
     def __init__(self, workers: int = 2, time_budget_s: float = TIME_BUDGET_S, memory: int = MEMORY_BUDGET):
-        self.time_budget_s, self.memory = time_budget_s, memory
-        self._idle: list[_Worker] = []
-        self._slots = threading.Semaphore(workers)
+        self.workers, self.time_budget_s, self.memory = workers, time_budget_s, memory
+        self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         self._closed = False
 
+    def _pool(self, name: str) -> "_Pool":
+        with self._lock:
+            if self._closed:
+                raise ChatError("the server is shutting down")
+            if name not in self._pools:
+                self._pools[name] = _Pool(self.workers, self.memory)
+            return self._pools[name]
+
     def render(self, template: ChatTemplate, messages: list[dict], *, tools=None, documents=None,
-               add_generation_prompt: bool = True, max_chars: int = 1 << 20) -> str:
-        """The prompt (blocking: run it off the event loop). Raises :class:`ChatError`."""
+               add_generation_prompt: bool = True, max_chars: int = 1 << 20, pool: str = "") -> str:
+        """The prompt (blocking: run it off the event loop, or use :meth:`submit`). Raises :class:`ChatError`."""
         source = template.pick(tools)
         request = {"template": source, "key": hashlib.sha256(source.encode()).hexdigest(), "max_chars": max_chars,
                    "context": {**template.specials, "messages": [{k: v for k, v in m.items() if v is not None}
                                                                  for m in messages],
                                "tools": tools, "documents": documents,
                                "add_generation_prompt": add_generation_prompt}}
-        with self._slots:
-            worker = self._take()
+        answer = self._pool(pool).ask(request, self.time_budget_s)
+        if "text" in answer:
+            return answer["text"]
+        raise ChatError(answer["error"], answer.get("too_large", False))
+
+    def submit(self, pool: str, template: ChatTemplate, messages: list[dict], **kw) -> concurrent.futures.Future:
+        """:meth:`render` on ``pool``'s own threads (its requests queue there, never on a thread another pool
+        needs): ``await asyncio.wrap_future(renderer.submit(...))``."""
+        return self._pool(pool).threads.submit(functools.partial(self.render, template, messages, pool=pool, **kw))
+
+    def warm(self, pool: str = "") -> None:
+        """Start one worker of ``pool`` now (a server loading a model with a template), so no request waits for it."""
+        p = self._pool(pool)
+        with p.slots:
+            p.give(p.take(), self._closed)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pools, self._pools = list(self._pools.values()), {}
+        for p in pools:
+            p.close()
+
+
+class _Pool:
+    """One pool's worker processes (at most ``workers`` busy) and the threads that wait on them."""
+
+    def __init__(self, workers: int, memory: int):
+        self.memory = memory
+        self.idle: list[_Worker] = []
+        self.slots = threading.Semaphore(workers)
+        self.threads = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="attnx-chat")
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def ask(self, request: dict, timeout: float) -> dict:
+        with self.slots:
+            worker = self.take()
             try:
-                answer = worker.ask(request, self.time_budget_s)
+                answer = worker.ask(request, timeout)
             except BaseException as e:
                 worker.kill()  # past the time budget, or dead: never reused
                 if isinstance(e, OSError):
                     raise ChatError("the chat template's worker died rendering these messages", True) from None
                 raise
-            self._give(worker)
-        if "text" in answer:
-            return answer["text"]
-        raise ChatError(answer["error"], answer.get("too_large", False))
+            self.give(worker)
+        return answer
 
-    def _take(self) -> "_Worker":
-        with self._lock:
-            if self._closed:
+    def take(self) -> "_Worker":
+        with self.lock:
+            if self.closed:
                 raise ChatError("the server is shutting down")
-            while self._idle:
-                worker = self._idle.pop()
+            while self.idle:
+                worker = self.idle.pop()
                 if worker.alive:
                     return worker
         return _Worker(self.memory)
 
-    def _give(self, worker: "_Worker") -> None:
-        with self._lock:
-            if self._closed:
+    def give(self, worker: "_Worker", closing: bool = False) -> None:
+        with self.lock:
+            if self.closed or closing:
                 worker.kill()
             else:
-                self._idle.append(worker)
-
-    def warm(self) -> None:
-        """Start one worker now (a server loading a model with a template), so no request waits for it."""
-        with self._slots:
-            self._give(self._take())
+                self.idle.append(worker)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
+        with self.lock:
+            self.closed = True
+            idle, self.idle = self.idle, []
         for worker in idle:
             worker.kill()
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 class _Worker:

@@ -151,6 +151,70 @@ class DecodeState:
         return {name: host(value) for name, value in self.cache.items()}
 
 
+def _fixed_bytes(shape, axis: int | None, dtype: np.dtype) -> int | None:
+    """Bytes of one row (and, for a growing tensor, one position) of a cached tensor; None when a dim is not fixed."""
+    count = 1
+    for i, d in enumerate(shape):
+        if i == 0 or i == axis:
+            continue
+        if not isinstance(d, int):
+            return None
+        count *= d
+    return count * np.dtype(dtype).itemsize
+
+
+@dataclass(frozen=True)
+class KvFootprint:
+    """What a decoder's cache holds: ``token_bytes`` per position of one sequence (every layer's key and value;
+    None when the file's dims do not say), ``row_bytes`` per sequence whatever its length (carried summaries), at
+    most ``positions`` positions per sequence (None: no stated limit). The cache grows a position at a time, so
+    these are bounds, reached by a sequence that uses every position."""
+
+    token_bytes: int | None
+    row_bytes: int
+    positions: int | None
+    tensors: int
+
+    def bytes(self, rows: int = 1, positions: int | None = None) -> int | None:
+        """The cache of ``rows`` sequences at ``positions`` each (default: every position served)."""
+        positions = positions if positions is not None else self.positions
+        if self.token_bytes is None or positions is None:
+            return None
+        return rows * (positions * self.token_bytes + self.row_bytes)
+
+    def describe(self, rows: int = 1) -> str:
+        """One line: bytes per token, and the cache at the positions and sequences served."""
+        if self.token_bytes is None:
+            return f"KV cache: {self.tensors} tensors whose per-token size the file does not fix"
+        line = f"KV cache: {self.token_bytes:,} bytes per token ({self.tensors} tensors)"
+        if self.positions is None:
+            return line + ", no position limit stated (set max_positions to bound it)"
+        one = self.bytes(1)
+        line += f"; at {self.positions:,} positions {_mb(one)} per sequence"
+        if rows > 1:
+            line += f", {_mb(self.bytes(rows))} for {rows} sequences at once"
+        return line
+
+
+def memory_warning(footprint: KvFootprint, rows: int, flag: str = "max_positions") -> str | None:
+    """A line when the cache at every position served would not fit the memory available now (it grows a position
+    at a time, so this is a warning, not a refusal)."""
+    need = footprint.bytes(rows)
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    if need is None or need <= available:
+        return None
+    return (f"the KV cache at {footprint.positions:,} positions x {rows} sequence(s) would take {_mb(need)}, more "
+            f"than the {_mb(available)} of memory available: bound it with {flag}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
+
+
 def host(value) -> np.ndarray:
     """A cached tensor as numpy: an ``OrtValue`` is wrapped where it lies on the CPU (no copy), copied from a GPU."""
     return value if isinstance(value, np.ndarray) else value.numpy()
@@ -160,8 +224,13 @@ class Decoder:
     """One with-past model, run by prefill and decode steps (module docstring). Thread-safe as its session
     is; a :class:`DecodeState` belongs to one caller at a time."""
 
-    def __init__(self, session: Session, bind: bool | None = None):
+    def __init__(self, session: Session, bind: bool | None = None, max_positions: int | None = None,
+                 bound_by: str = "max_positions"):
+        """``max_positions``: serve at most this many positions per sequence (prompt + generated tokens), which
+        bounds the KV cache (:meth:`kv_footprint`); None or more than the model's: the model's own. ``bound_by``
+        names the setting in messages (a command's flag)."""
         self.session = session
+        self.bound_by = bound_by
         # ONNX Runtime's IOBinding where it saves copies: a GPU session (module docstring). On the CPU plain runs
         # already pass numpy buffers both ways without a copy, and binding 2 tensors a layer costs more Python.
         if bind is None:
@@ -180,7 +249,42 @@ class Decoder:
         self._outputs = ["logits"] + [t.output for t in self.layout.tensors]
         vocab = next(s for s in session.outputs if s.name == "logits").shape[-1]
         self.vocab_size = vocab if isinstance(vocab, int) else None
-        self.max_positions = self.layout.max_positions or None
+        self.model_positions = self.layout.max_positions or None
+        if max_positions is not None and max_positions < 2:
+            raise ValueError(f"max_positions must be >= 2 (a prompt token and a generated one), got {max_positions}")
+        limits = [p for p in (max_positions, self.model_positions) if p]
+        self.max_positions = min(limits) if limits else None
+        self._cached_bytes = {t.input: (_fixed_bytes(self._shapes[t.input], t.axis, self._dtypes[t.input]), t.axis)
+                              for t in self.layout.tensors}
+
+    # ---- the KV cache's size ----------------------------------------------------------------------
+    @property
+    def bounded(self) -> bool:
+        """Whether ``max_positions`` was set below the model's own positions."""
+        return bool(self.max_positions and self.max_positions != self.model_positions)
+
+    @property
+    def positions_text(self) -> str:
+        """The positions served, for messages: ``"2048 positions"``, or with a bound, where it comes from."""
+        if not self.max_positions:
+            return "unbounded positions"
+        if self.bounded:
+            return (f"{self.max_positions} positions ({self.bound_by} {self.max_positions}; the model has "
+                    f"{self.model_positions or 'no stated limit'})")
+        return f"{self.max_positions} positions"
+
+    def kv_footprint(self) -> "KvFootprint":
+        """Bytes of the cache per position and per sequence, from the file's own cache inputs (dims and dtypes)."""
+        per_token = per_row = 0
+        known = True
+        for size, axis in self._cached_bytes.values():
+            if size is None:
+                known = False
+            elif axis is None:
+                per_row += size
+            else:
+                per_token += size
+        return KvFootprint(per_token if known else None, per_row, self.max_positions, len(self._cached_bytes))
 
     # ---- building inputs ------------------------------------------------------------------------
     def _empty(self, rows: int) -> dict[str, np.ndarray]:
@@ -252,8 +356,7 @@ class Decoder:
         if ids.shape[1] == 0:
             raise InputError("the prompt has no tokens")
         if self.max_positions and ids.shape[1] > self.max_positions:
-            raise InputError(f"the prompt has {ids.shape[1]} tokens, more than the model's {self.max_positions} "
-                             "positions")
+            raise InputError(f"the prompt has {ids.shape[1]} tokens, more than the {self.positions_text} served")
         if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise InputError(f"token id {int(ids.max() if ids.max() >= self.vocab_size else ids.min())} is outside "
                              f"the model's vocabulary [0, {self.vocab_size})")

@@ -60,6 +60,11 @@ class Generation:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    def prefetch(self) -> None:
+        """Start computing the grammar's next mask (on its model's mask threads) while the model runs."""
+        if self.guide is not None and not self.done:
+            self.guide.prefetch()
+
     def choose(self, logits: np.ndarray) -> int:
         p = self.params
         token = next_token(logits, p, self.rng, self._seen if p.repetition_penalty != 1.0 else (), self.tokens,

@@ -13,7 +13,8 @@ it before queueing:
 
 The best rate seen is optimistic (it is a minimum over batches), so a borderline request is still admitted and times
 out as before; only clear misses are refused. Where the model has not yet run sequences of the request's lengths, a
-request of more than one batch first runs one batch of them (the probe), then the check decides on the rest.
+request of more than one batch first runs a few rows of them (the probe: at most :data:`PROBE_TOKENS` padded tokens),
+then the check decides on the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from attnx.runtime.wire.errors import overloaded, too_large
 
 #: A bucket must hold this share of a request's tokens before its rate is needed for the estimate.
 _MINOR_SHARE = 0.1
+#: Padded tokens the probe runs at most (at least one row): enough to learn a rate (long rows cost no less per
+#: token alone than batched on a CPU), few enough that a neighbour queued behind it waits a fraction of a second,
+#: where a full batch of a hostile request's 256-token rows held the model for seconds (issue 45).
+PROBE_TOKENS = 512
 
 
 def bucket(length: int) -> int:
@@ -125,8 +130,8 @@ def check(batcher, parts: Sequence[tuple[int, int]], timeout_ms: float | None) -
 async def run(batcher, feeds: list[dict[str, np.ndarray]], timeout_ms: float | None,
               submit: Callable[[list[dict[str, np.ndarray]]], Awaitable[list]]) -> list:
     """``submit(feeds)`` (all parts, results in order) once :func:`check` admits them. Lengths not seen yet,
-    in a request of more than one batch: one batch of its most common length bucket runs first (the
-    probe), then the rest is checked with what it showed."""
+    in a request of more than one batch: a few rows of its most common length bucket run first (the
+    probe, :data:`PROBE_TOKENS` padded tokens at most), then the rest is checked with what it showed."""
     parts = [part_shape(batcher.layout, f) for f in feeds]
     if check(batcher, parts, timeout_ms):
         return await submit(feeds)
@@ -137,7 +142,12 @@ async def run(batcher, feeds: list[dict[str, np.ndarray]], timeout_ms: float | N
     for rows, length in parts:
         counts[bucket(length)] = counts.get(bucket(length), 0) + rows * length
     main = max(counts, key=counts.get)
-    probe = [i for i, (_, length) in enumerate(parts) if bucket(length) == main][:size]
+    probe, rows = [], 0
+    for i, (n, length) in enumerate(parts):
+        if bucket(length) == main:
+            if probe and (rows + n > size or (rows + n) * max(1, length) > PROBE_TOKENS):
+                break
+            probe, rows = probe + [i], rows + n
     first = await submit([feeds[i] for i in probe])
     chosen = set(probe)
     rest = [i for i in range(len(feeds)) if i not in chosen]

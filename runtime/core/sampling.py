@@ -7,7 +7,9 @@ positive, multiplied when negative; prompt tokens count as seen), OpenAI's prese
 (``logit - presence * (count > 0) - frequency * count`` over the tokens generated so far, not the prompt's), a
 grammar's mask (``allowed``: :mod:`attnx.runtime.core.guided`), then temperature, top-k, top-p (the smallest set of
 most likely tokens whose probability reaches ``top_p``, at least one), then a draw from the rest with the request's
-own ``numpy`` generator (``seed``: the same tokens every time). Greedy (``temperature == 0``, or no sampling asked
+own ``numpy`` generator (``seed``: the same tokens every time). OpenAI's ``logit_bias`` (``{token id: bias}``,
+-100..100) is added to the model's logits before all of that, as OpenAI documents it (-100 bans a token in effect,
++100 makes it the choice). Greedy (``temperature == 0``, or no sampling asked
 for) is the argmax, first on ties, after the penalties: transformers' ``generate(do_sample=False)``.
 :func:`logprobs` is the model's own log-softmax (before any of this: vLLM's default ``raw_logprobs``).
 """
@@ -54,6 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # alternatives reported per token (0..MAX_LOGPROBS); None: no logprobs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to the logits
 
     def __post_init__(self) -> None:
         def number(name, value, kind=float):
@@ -83,6 +86,14 @@ class SamplingParams:
                 raise SamplingError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
         if self.logprobs is not None and not 0 <= number("logprobs", self.logprobs, int) <= MAX_LOGPROBS:
             raise SamplingError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
+            if not -100.0 <= number("logit_bias", bias) <= 100.0:
+                raise SamplingError(f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias")
+        # as arrays once, not per step (the keys are unique: a JSON object's)
+        object.__setattr__(self, "_bias", (np.array([t for t, _ in self.logit_bias], dtype=np.int64),
+                                           np.array([b for _, b in self.logit_bias], dtype=np.float64)))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -123,6 +134,10 @@ def processed(logits: np.ndarray, params: SamplingParams, seen: Sequence[int] | 
     row = np.asarray(logits, dtype=np.float64)
     if not np.isfinite(row).all():
         raise SamplingError("the model's logits for this step are not finite")
+    if params.logit_bias:
+        ids, biases = params._bias
+        row = row.copy()
+        row[ids[ids < row.shape[0]]] += biases[ids < row.shape[0]]
     row = apply_repetition_penalty(row, seen, params.repetition_penalty)
     if len(generated) and (params.presence_penalty or params.frequency_penalty):
         ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)

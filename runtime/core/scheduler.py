@@ -8,7 +8,9 @@ model advances every one of them by a token. Between two runs the loop
 2. prefills the requests that arrived meanwhile, each on its own (a prompt is one run of its length), and merges
    them into the batch (their caches left-padded with masked slots: exact);
 3. runs one decode step for the whole batch and hands each request its token and text
-   (:class:`~attnx.runtime.core.generate.Generation` chooses, a :class:`Handle` delivers).
+   (:class:`~attnx.runtime.core.generate.Generation` chooses, a :class:`Handle` delivers). The grammar masks of the
+   guided rows are computed on their model's mask threads while the run computes (:mod:`attnx.runtime.core.guided`):
+   a row whose mask breaks its grammar or runs past its time budget fails alone (a :class:`RequestFault`).
 
 At most ``max_batch`` rows decode together; more requests wait (``max_queue`` of them, then :class:`SchedulerFull`).
 The model's own threads do the arithmetic; this thread only drives it, so the event loop of the server never waits
@@ -28,6 +30,7 @@ import numpy as np
 
 from attnx.runtime.core.decoding import DecodeState, Decoder
 from attnx.runtime.core.generate import Generation, Piece
+from attnx.runtime.core.guided import GrammarError
 from attnx.runtime.core.sampling import SamplingParams
 from attnx.runtime.core.session import InputError, public_message
 
@@ -40,6 +43,11 @@ class SchedulerFull(RuntimeError):
 
 class SchedulerClosed(RuntimeError):
     """The scheduler is shutting down."""
+
+
+class RequestFault(str):
+    """A failure message that is about the request itself (its grammar broke or ran past its budget): the server
+    answers it as a 400, not a 500. A ``str``, so an ``error`` callback may treat it as any message."""
 
 
 @dataclass
@@ -177,6 +185,8 @@ class GenerationScheduler:
         return state
 
     def _step(self) -> None:
+        for handle in self._active:  # grammar masks compute beside the run (llguidance drops the GIL)
+            handle.generation.prefetch()
         tokens = [h.generation.tokens[-1] for h in self._active]
         logits, self._state = self.decoder.step(self._state, tokens)
         self.stats.steps += 1
@@ -192,6 +202,11 @@ class GenerationScheduler:
         them, are not finite) fails its own request alone: the rest of the batch goes on."""
         try:
             piece = handle.generation.accept(handle.generation.choose(logits))  # a grammar may refuse it too
+        except GrammarError as e:  # the request's own grammar: a 400 for it alone
+            self._finish(handle, RequestFault(f"the request's grammar failed at token {len(handle.generation.tokens)}"
+                                              f": {e}"))
+            handle.cancel()
+            return False
         except Exception as e:  # noqa: BLE001 - one request's failure is its own
             log.warning("generation of model %s: a request failed choosing its token: %s", self.name, e)
             self._finish(handle, f"the model could not choose this request's next token: {public_message(str(e))}")

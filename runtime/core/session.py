@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -333,6 +334,44 @@ def _check_shared_dims(specs: list[TensorSpec], feeds: Mapping[str, np.ndarray])
             seen.setdefault(d, (size, spec.name))
 
 
+def release_read_weights(path: Path) -> int:
+    """Drop from this process's resident set the pages of ``path``'s external data (``<file>.data``) that ONNX Runtime
+    read while loading; returns the bytes dropped.
+
+    ORT memory-maps the file; a ``MatMulNBits`` weight is repacked into memory of its own and its mapping released,
+    but a table another node also reads (a tied embedding's, which the head's ``MatMulNBits`` repacks) stays mapped
+    with every page the repacking read resident: the head counted twice. Only a region none of whose pages was
+    copied on write (smaps' ``Anonymous: 0``) is dropped (``MADV_DONTNEED``: its pages are the file's, read again
+    from the page cache when next used, e.g. an embedding row), so nothing the runtime holds changes. (smaps'
+    ``*_Dirty`` also counts file pages not yet written back, so it says nothing here.) Linux only."""
+    import ctypes
+
+    names = {str(f.resolve()) for f in path.parent.glob(path.name + "*.data")}  # attnx writes <name>.onnx.data
+    if not names or not sys.platform.startswith("linux"):
+        return 0
+    regions, current = [], None
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                parts = line.split()
+                if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a region's header line
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    current = [start, end - start, 0] if len(parts) > 5 and parts[5] in names else None
+                    if current is not None:
+                        regions.append(current)
+                elif current is not None and parts[0] == "Anonymous:":
+                    current[2] += int(parts[1])
+    except OSError:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    for start, length, copied_kb in regions:
+        if copied_kb == 0 and libc.madvise(start, length, 4) == 0:  # 4: MADV_DONTNEED
+            dropped += length
+    return dropped
+
+
 def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None = None, axes=None,
          **opts: Any) -> Session:
     """Load a model file once; returns a thread-safe :class:`Session`.
@@ -352,8 +391,11 @@ def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None =
         from attnx.runtime.core.decoding import decoding_options
 
         # a with-past export runs one short step after another: its own defaults (caller's options win)
-        opts = {**decoding_options(p), **opts}
+        decoding = decoding_options(p)
+        opts = {**decoding, **opts}
         session: Session = OnnxRuntimeSession(p, OrtOptions(device=device, threads=threads, **opts))
+        if decoding:
+            release_read_weights(p)
     elif suffix in (".engine", ".plan"):
         from attnx.runtime.core.backends.tensorrt import EngineSession
 

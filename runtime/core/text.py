@@ -40,6 +40,16 @@ TEXT_PAIR_INPUT = "text_pair"
 #: Characters read per token a model takes (:attr:`TextTokenizer.char_cap`): far more than any real text's
 #: tokens span (English averages 4-5), so what lies past the cap never reaches the first ``max_length`` tokens.
 CHARS_PER_TOKEN = 64
+#: Characters per token of the first cut tried (:meth:`TextTokenizer._prefixed`; a second is sized by what it gave):
+#: a 20 KB text's first 256 tokens nearly always lie in its first 1-3,000 characters, so only those are tokenised,
+#: not the ~5,000 tokens of all of it.
+PREFIX_CHARS_PER_TOKEN = 4
+#: Pre-tokenizers whose words never span an ASCII space, each word then tokenised on its own (ByteLevel only with its
+#: regex, Metaspace only when it splits), what may sit beside them, and normalizers that map characters one by one:
+#: with these, a text cut just before a space gives the same tokens as the whole text, up to the cut.
+_SPLIT_AT_SPACES = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit", "ByteLevel", "Metaspace"}
+_LOCAL_PRE_TOKENIZERS = _SPLIT_AT_SPACES | {"Digits", "Punctuation", "UnicodeScripts"}
+_LOCAL_NORMALIZERS = {"BertNormalizer", "NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "Strip", "Prepend"}
 
 
 class TooLong(InputError):
@@ -93,6 +103,7 @@ class TextTokenizer:
         if max_length is not None:
             self._cut.enable_truncation(max_length, strategy="longest_first", direction=truncation_side)
         self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
+        self.cuts_at_spaces = _cuts_at_spaces(self._full)
 
     # --- construction ----------------------------------------------------------
     @classmethod
@@ -205,7 +216,51 @@ class TextTokenizer:
             return text
         return text[:self.char_cap] if self.truncation_side == "right" else text[-self.char_cap:]
 
+    def _prefix(self, text: str, size: int) -> str | None:
+        """The start of a long ``text`` to tokenise in its place when truncating on the right: its first ``size``
+        characters, cut back to just before the last space that follows a word (so that word is whole, and every
+        word before it tokenises as in the whole text); None when the tokenizer's words may span spaces, the text
+        is not longer than ``size`` (or the char cap), or the cut has no such space."""
+        if not self.cuts_at_spaces or self.max_length is None or self.truncation_side != "right":
+            return None
+        if len(text) <= size or size >= self.char_cap:
+            return None
+        at = text.rfind(" ", 0, size)
+        while at > 0 and text[at - 1] == " ":  # the first space of a run: the word before it ends there
+            at -= 1
+        return text[:at] if at > 0 and not text[at - 1].isspace() else None
+
+    def _prefixed(self, inputs: list, add_special_tokens: bool) -> dict[int, Encoded]:
+        """Texts whose :meth:`_prefix` gives more than max length tokens: the prefix's tokens, cut, are the whole
+        text's, cut (the first tokens depend only on the words before the cut). A prefix with fewer tokens could
+        miss some of the whole text's: a second, longer one is tried, sized by the characters a token the first
+        showed (aiming at 1.5 x max length tokens); after that the text goes the long way."""
+        out: dict[int, Encoded] = {}
+        sizes = {i: self.max_length * PREFIX_CHARS_PER_TOKEN for i, x in enumerate(inputs) if isinstance(x, str)} \
+            if self.max_length is not None else {}
+        for _ in range(2):
+            found = {i: p for i, size in sizes.items() if (p := self._prefix(inputs[i], size)) is not None}
+            if not found:
+                break
+            try:
+                encodings = self._cut.encode_batch(list(found.values()), add_special_tokens=add_special_tokens)
+            except Exception:  # noqa: BLE001 - the long way names the fault
+                break
+            sizes = {}
+            for (i, cut), enc in zip(found.items(), encodings):
+                if enc.overflowing:
+                    out[i] = Encoded(np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.type_ids, dtype=np.int64),
+                                     True)
+                else:
+                    sizes[i] = len(cut) * 3 * self.max_length // (2 * max(1, len(enc.ids))) + 1
+        return out
+
     def _encode(self, inputs: list, truncate: bool, what: str, add_special_tokens: bool = True) -> list[Encoded]:
+        short = self._prefixed(inputs, add_special_tokens) if truncate else {}
+        if short:
+            rest = [i for i in range(len(inputs)) if i not in short]
+            done = dict(zip(rest, self._encode([inputs[i] for i in rest], truncate, what, add_special_tokens)))
+            return [short[i] if i in short else done[i] for i in range(len(inputs))]
         tok = self._cut if truncate else self._full
         capped = [self._cap(x) if isinstance(x, str) else tuple(map(self._cap, x)) for x in inputs]
         cut = [a is not b if isinstance(a, str) else any(p is not q for p, q in zip(a, b))
@@ -228,6 +283,25 @@ class TextTokenizer:
                 raise InputError(f"{what} {i} gives no tokens")
             out.append(Encoded(ids, np.asarray(enc.type_ids, dtype=np.int64), bool(enc.overflowing) or cut[i]))
         return out
+
+
+def _cuts_at_spaces(tokenizer) -> bool:
+    """Whether a text cut just before a space tokenises as the whole text does up to there (the module's
+    :data:`_SPLIT_AT_SPACES`): local normalizers, pre-tokenizers that split at spaces, no added token with a space."""
+    def parts(component, key: str) -> list[dict]:
+        if component is None:
+            return []
+        state = json.loads(component.__getstate__())
+        return state.get(key, []) if state.get("type") == "Sequence" else [state]
+
+    try:
+        pre, norm = parts(tokenizer.pre_tokenizer, "pretokenizers"), parts(tokenizer.normalizer, "normalizers")
+        added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
+    except Exception:  # noqa: BLE001 - a component this cannot read: take the long way
+        return False
+    splits = [p for p in pre if p.get("type") in _SPLIT_AT_SPACES and p.get("use_regex", True) and p.get("split", True)]
+    return (bool(splits) and all(p.get("type") in _LOCAL_PRE_TOKENIZERS for p in pre)
+            and all(n.get("type") in _LOCAL_NORMALIZERS for n in norm) and not any(" " in t for t in added))
 
 
 def _read_json(path: Path) -> dict:

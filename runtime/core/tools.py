@@ -104,7 +104,7 @@ class Calls:
 
 def forced_grammar(form: str | None, tools: list[dict], name: str | None = None) -> str:
     """The Lark grammar (llguidance's, JSON embedded) of one call to any of ``tools`` (or to ``name``)."""
-    from attnx.runtime.core.guided import JSON_OPTIONS, lark
+    from attnx.runtime.core.guided import JSON_OPTIONS, check_schema, lark
 
     key = "parameters" if form == LLAMA else "arguments"
     options = []
@@ -114,6 +114,7 @@ def forced_grammar(form: str | None, tools: list[dict], name: str | None = None)
             options.append({"type": "object", "properties": {"name": {"const": fn.get("name")},
                                                                key: fn.get("parameters") or {"type": "object"}},
                             "required": ["name", key], "additionalProperties": False})
+    check_schema(options, "the tools' parameters")  # their size bounded before anything compiles
     schema = json.dumps({"anyOf": options, "x-guidance": JSON_OPTIONS})
     body = '"<tool_call>\\n" call "\\n</tool_call>"' if form == HERMES else "call"
     return lark(f"start: {body}\ncall: %json {schema}\n")

@@ -2,17 +2,19 @@
 
 Every route hands its work to :class:`Envelope` (``await envelope.http(request, shape, work)``, or a gRPC handler
 from :meth:`Envelope.grpc_unary` / :meth:`Envelope.grpc_stream`). It reads bodies under the server's rules
-(:meth:`Envelope.body`: 413 before reading, the shared byte budget, decoding on the worker thread when large),
-admits by queue room (:meth:`Envelope.admitted`: a full queue refuses before the body is read), counts each
-request once in the metrics (by :class:`Kind` when refused, under the model's name once the work names it),
-turns a client that left into ``client_gone`` and any other exception into one ``internal`` line (the traceback
-goes to the log): the server never dies on a request. Refusals go out in the route's wire shape.
+(:meth:`Envelope.body`: 413 before reading, the shared byte budget charged as bytes arrive, 408 for a body that
+arrives too slowly, a route's bounds on what its raw JSON holds checked before parsing, decoding on the worker
+thread when large), admits by queue room (:meth:`Envelope.admitted`: a full queue refuses before the body is
+read), counts each request once in the metrics (by :class:`Kind` when refused, under the model's name once the work
+names it), turns a client that left into ``client_gone`` and any other exception into one ``internal`` line (the
+traceback goes to the log): the server never dies on a request. Refusals go out in the route's wire shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,14 +23,20 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from attnx.runtime.core.batcher import SOURCE
 from attnx.runtime.core.session import public_message
+from attnx.runtime.wire.counts import check_json
 from attnx.runtime.wire.errors import Kind, ProtocolError, Shape, overloaded
 from attnx.runtime.wire.limits import ByteBudget, Limits, Workers, declared_length, read_body
 from attnx.runtime.wire.metrics import ServerMetrics
 
 log = logging.getLogger("attnx.serve")
-#: A gRPC stream's requests in flight at once (the rest wait to be read).
+#: A gRPC stream's requests in flight at once (the rest wait to be read), and their bytes (one request always fits):
+#: a stream of long texts has one or two in the model's queue at a time, paced by its own answers, and the batcher
+#: counts the whole stream as one source, so a neighbour's row takes the next turn (issue 45: 1,024 texts of 20 KB
+#: put 64 long rows ahead of every neighbour); a stream of short ones keeps 64 going.
 STREAM_WINDOW = 64
+STREAM_WINDOW_BYTES = 8 << 10
 
 
 @dataclass
@@ -43,6 +51,11 @@ class Call:
         """``model`` is what this request runs on: the label its metrics are counted under."""
         self.label = model.name
         return model
+
+
+def _counted(body, bound, where: str, decode: Callable[[bytes], Any]) -> Any:
+    check_json(body, bound, where)
+    return decode(body)
 
 
 def error_response(shape: Shape, error: ProtocolError) -> Response:
@@ -87,14 +100,23 @@ class Envelope:
             return error_response(shape, e)
 
     # --- bodies and admission ------------------------------------------------------------------------
-    async def body(self, request: Request, call: Call, decode: Callable[[bytes], Any]) -> Any:
-        """``decode(body)`` of the request's body, read and decoded under the body limit and the byte budget,
-        on the worker policy's thread when it is large."""
+    async def body(self, request: Request, call: Call, decode: Callable[[bytes], Any],
+                   counts: str | None = None) -> Any:
+        """``decode(body)`` of the request's body, read under the body limit, the body deadline and the byte budget
+        (charged chunk by chunk), then decoded on the worker policy's thread when it is large. ``counts``: the
+        route's kind (:meth:`~attnx.runtime.wire.limits.Limits.json_bound`): the raw JSON is first checked against
+        its bounds (:func:`~attnx.runtime.wire.counts.check_json`), so no huge count of values is ever parsed."""
         size = declared_length(request, self.limits.max_body_bytes)
-        async with self.budget.hold(self.limits.max_body_bytes if size is None else size, self.limits.decode_wait_s):
-            body = await read_body(request, self.limits.max_body_bytes, size)
+        share = self.budget.share(size)
+        try:
+            body = await read_body(request, self.limits, size, share)
             call.size = len(body)
+            if counts is not None:
+                bound, where = self.limits.json_bound(counts), f"{request.method} {request.url.path}"
+                return await self.workers.run(_counted, body, bound, where, decode, cost=len(body))
             return await self.workers.run(decode, body, cost=len(body))
+        finally:
+            share.release()
 
     @contextlib.asynccontextmanager
     async def admitted(self, model):
@@ -122,18 +144,26 @@ class Envelope:
         return handler
 
     def grpc_stream(self, shape: Shape, fn: Callable[[Any, Any, Call], Awaitable[Any]]):
-        """A stream-stream gRPC handler: each request runs as soon as it is read (up to a window), each through
-        the envelope on its own, and the answers go back in order; the first refusal ends the stream."""
+        """A stream-stream gRPC handler: each request runs as soon as it is read (up to a window: :class:`_Window`),
+        each through the envelope on its own, all as one source to the batcher (:data:`SOURCE`), and the answers go
+        back in order; the first refusal ends the stream."""
 
         async def handler(requests, context):
             pending: asyncio.Queue = asyncio.Queue(STREAM_WINDOW)
+            window, stream = _Window(), object()
 
             async def read():
                 async for request in requests:
-                    await pending.put(asyncio.ensure_future(self.run(Call(), lambda c, r=request: fn(r, context, c))))
+                    size = request.ByteSize() if hasattr(request, "ByteSize") else 0
+                    await window.enter(size)
+                    task = asyncio.ensure_future(self.run(Call(), lambda c, r=request: fn(r, context, c)))
+                    task.add_done_callback(lambda _, n=size: window.leave(n))
+                    await pending.put(task)
                 await pending.put(None)
 
-            reader = asyncio.ensure_future(read())
+            own = contextvars.copy_context()  # the reader and the tasks it starts: one source to the batcher
+            own.run(SOURCE.set, stream)
+            reader = asyncio.get_running_loop().create_task(read(), context=own)
             try:
                 while (task := await _next(pending, reader)) is not None:
                     yield await task
@@ -146,6 +176,25 @@ class Envelope:
                         task.cancel()
 
         return handler
+
+
+class _Window:
+    """One stream's requests in flight: at most :data:`STREAM_WINDOW` of them and :data:`STREAM_WINDOW_BYTES` of
+    their bytes, though one always fits (its reader is the only one waiting)."""
+
+    def __init__(self) -> None:
+        self.count = self.size = 0
+        self._freed = asyncio.Event()
+
+    async def enter(self, size: int) -> None:
+        while self.count and (self.count >= STREAM_WINDOW or self.size + size > STREAM_WINDOW_BYTES):
+            self._freed.clear()
+            await self._freed.wait()
+        self.count, self.size = self.count + 1, self.size + size
+
+    def leave(self, size: int) -> None:
+        self.count, self.size = self.count - 1, self.size - size
+        self._freed.set()
 
 
 async def _next(pending: asyncio.Queue, reader: asyncio.Future):

@@ -3,7 +3,8 @@
 Everything the serving stack refuses is a :class:`ProtocolError`: a :class:`Kind`, a one-line message and, when
 there is one, the request field at fault (``param``). Overload carries ``Retry-After: 1``; what can never fit
 (``too_large``) does not. ``too_many``: more inputs than ``--max-inputs`` (OpenAI 400, TEI 413);
-``unprocessable``: a result JSON cannot carry (NaN in an output). The kind is the ``reason`` label of
+``unprocessable``: a result JSON cannot carry (NaN in an output); ``body_timeout``: an HTTP body that
+arrived too slowly (408, and the connection is closed). The kind is the ``reason`` label of
 ``attnx_request_failures_total``. docs/serving.md shows the tables side by side.
 """
 
@@ -25,6 +26,7 @@ class Kind(str, enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     OVERLOADED = "overloaded"
     TIMEOUT = "timeout"
+    BODY_TIMEOUT = "body_timeout"
     SHUTTING_DOWN = "shutting_down"
     UNIMPLEMENTED = "unimplemented"
     CLIENT_GONE = "client_gone"
@@ -63,14 +65,14 @@ K = Kind
 #: KServe v2 over HTTP (and Triton's generate extension, the explain pages): ``{"error": message}``.
 KSERVE_HTTP = {K.BAD_INPUT: 400, K.EMPTY: 400, K.TOO_MANY: 400, K.TOO_LARGE: 413, K.UNPROCESSABLE: 422,
                K.NOT_FOUND: 404, K.UNAUTHENTICATED: 401, K.OVERLOADED: 503, K.TIMEOUT: 503, K.SHUTTING_DOWN: 503,
-               K.UNIMPLEMENTED: 501, K.CLIENT_GONE: 499, K.INTERNAL: 500}
+               K.UNIMPLEMENTED: 501, K.CLIENT_GONE: 499, K.INTERNAL: 500, K.BODY_TIMEOUT: 408}
 #: KServe v2 over gRPC (``inference.GRPCInferenceService``), ``grpc.StatusCode`` names (grpc is imported only by
 #: a server with a gRPC port): a full queue is RESOURCE_EXHAUSTED, as Triton says it.
 KSERVE_GRPC = {K.BAD_INPUT: "INVALID_ARGUMENT", K.EMPTY: "INVALID_ARGUMENT", K.TOO_MANY: "INVALID_ARGUMENT",
                K.TOO_LARGE: "RESOURCE_EXHAUSTED", K.UNPROCESSABLE: "INVALID_ARGUMENT", K.NOT_FOUND: "NOT_FOUND",
                K.UNAUTHENTICATED: "UNAUTHENTICATED", K.OVERLOADED: "RESOURCE_EXHAUSTED", K.TIMEOUT: "DEADLINE_EXCEEDED",
                K.SHUTTING_DOWN: "UNAVAILABLE", K.UNIMPLEMENTED: "UNIMPLEMENTED", K.CLIENT_GONE: "CANCELLED",
-               K.INTERNAL: "INTERNAL"}
+               K.INTERNAL: "INTERNAL", K.BODY_TIMEOUT: "DEADLINE_EXCEEDED"}
 #: OpenAI (and Cohere/Jina rerank, Infinity classify): status, ``type``, ``code``. Overload is 429, which the
 #: ``openai`` client retries after ``Retry-After``.
 OPENAI = {K.BAD_INPUT: (400, "invalid_request_error", None), K.EMPTY: (400, "invalid_request_error", "empty_input"),
@@ -83,13 +85,14 @@ OPENAI = {K.BAD_INPUT: (400, "invalid_request_error", None), K.EMPTY: (400, "inv
           K.TIMEOUT: (429, "rate_limit_error", "server_is_overloaded"),
           K.SHUTTING_DOWN: (503, "service_unavailable_error", "shutting_down"),
           K.UNIMPLEMENTED: (501, "invalid_request_error", "unsupported"),
-          K.CLIENT_GONE: (499, "invalid_request_error", None), K.INTERNAL: (500, "server_error", None)}
+          K.CLIENT_GONE: (499, "invalid_request_error", None), K.INTERNAL: (500, "server_error", None),
+          K.BODY_TIMEOUT: (408, "invalid_request_error", "request_timeout")}
 #: Hugging Face text-embeddings-inference over HTTP: status and ``error_type`` (TEI's own words).
 TEI_HTTP = {K.BAD_INPUT: (422, "Validation"), K.EMPTY: (400, "Empty"), K.TOO_MANY: (413, "Validation"),
             K.TOO_LARGE: (413, "Validation"), K.UNPROCESSABLE: (422, "Validation"), K.NOT_FOUND: (404, "Validation"),
             K.UNAUTHENTICATED: (401, "Unauthorized"), K.OVERLOADED: (429, "Overloaded"), K.TIMEOUT: (429, "Overloaded"),
             K.SHUTTING_DOWN: (503, "Unhealthy"), K.UNIMPLEMENTED: (501, "Validation"),
-            K.CLIENT_GONE: (499, "Validation"), K.INTERNAL: (500, "Backend")}
+            K.CLIENT_GONE: (499, "Validation"), K.INTERNAL: (500, "Backend"), K.BODY_TIMEOUT: (408, "Validation")}
 #: TEI's ``tei.v1`` over gRPC: its validation errors (too many inputs among them) are INVALID_ARGUMENT.
 TEI_GRPC = {**KSERVE_GRPC, K.TOO_LARGE: "INVALID_ARGUMENT"}
 
@@ -118,6 +121,8 @@ class Shape:
         headers = {"Retry-After": "1"} if error.kind in (K.OVERLOADED, K.TIMEOUT, K.SHUTTING_DOWN) else {}
         if error.kind == K.UNAUTHENTICATED:
             headers["WWW-Authenticate"] = 'Bearer realm="attnx"'
+        if error.kind == K.BODY_TIMEOUT:  # the rest of its body is never read: the connection cannot be reused
+            headers["Connection"] = "close"
         return status, json.dumps(self.body(error, row)).encode(), headers
 
 

@@ -1,11 +1,14 @@
 """What one request may ask of the server, and how the work it brings is kept off the event loop.
 
-- :class:`Limits`: body size, tensor elements, texts and tokens per request (one set for every API).
-- :class:`ByteBudget`: a JSON body costs a few times its size while it is decoded, so the bytes of bodies being
-  read and decoded at once are bounded (taken from ``Content-Length`` before reading; a chunked body is charged
-  the body limit); beyond it requests wait in arrival order, then are refused as overloaded. Shared by the HTTP
-  and gRPC front ends (two event loops: a lock plus futures woken with ``call_soon_threadsafe``).
-- :func:`declared_length`, :func:`read_body`: 413 before reading, one buffer of the declared size.
+- :class:`Limits`: body size and body deadline, tensor elements, texts, messages and tokens per request (one set
+  for every API), and the bounds on what a raw JSON body may hold before it is parsed (:meth:`Limits.json_bound`,
+  checked by :mod:`attnx.runtime.wire.counts`).
+- :class:`~attnx.runtime.wire.budget.ByteBudget` (re-exported here): the bytes of bodies being read and decoded at
+  once, charged as they arrive, with a reserve for small bodies.
+- :func:`declared_length`, :func:`read_body`: 413 before reading, one buffer of the declared size, each chunk
+  charged to the request's share of the budget as it arrives, and the body's deadline (408 for a body that
+  arrives too slowly: ``body_timeout_s`` plus one second per ``min_body_rate`` bytes received, as Apache's
+  mod_reqtimeout ``body=...,MinRate=...``; time spent waiting for the budget does not count).
 - :class:`Workers`: the one worker policy. Work whose cost grows with the input (decoding JSON, tokenising,
   encoding big answers) runs inline only when small, else on one thread: these calls hold the GIL in C code,
   and one thread is all the event loop then competes with (two decode no faster, and doubled health-probe
@@ -16,16 +19,31 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
 import ctypes
 import ctypes.util
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
+from attnx.runtime.wire.budget import ByteBudget, Share
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, too_large
+
+__all__ = ["ByteBudget", "Limits", "JsonBound", "Workers", "declared_length", "read_body", "cut_long_strings"]
+
+#: Strings, values and lists a JSON body may hold beyond what its inputs need (names, schemas, tools, stops).
+JSON_SLACK = 1 << 16
+#: Values (numbers, strings, lists, objects) a text request may hold beyond its tokens: ``context`` rows.
+CONTEXT_VALUES = 1 << 20
+
+
+class JsonBound(NamedTuple):
+    """What a route's raw JSON body may hold, checked before it is parsed (None: not bounded), and the limits
+    that set it (named in the refusal)."""
+
+    strings: int | None
+    values: int | None
+    lists: int | None
+    limits: str
 
 
 @dataclass
@@ -33,16 +51,24 @@ class Limits:
     """What one request may ask of the server.
 
     - ``max_body_bytes``: the HTTP body (after decompression) or gRPC message, default 64 MiB.
+    - ``body_timeout_s``, ``min_body_rate``: an HTTP body must arrive within ``body_timeout_s`` seconds (default 10)
+      plus one second per ``min_body_rate`` bytes received (default 16 KiB/s; None: a total deadline of
+      ``body_timeout_s``); a slower one is answered 408 and its connection closed.
     - ``max_tensor_elements``: elements in one tensor (checked on the declared shape, before any allocation), default
       16 Mi.
     - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
     - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it declares one, else unlimited).
     - ``max_texts``: strings in one text request (inputs of an OpenAI or TEI embedding request), default 1024.
+    - ``max_messages``: messages in one chat request, default 2048 (OpenAI's own limit).
     - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and truncation, default
-      300,000 (OpenAI's own per-request limit); over it is a 413.
-    - ``max_decode_bytes``: request bodies being read and decoded at once, summed over requests (default: the larger
-      of ``max_body_bytes`` and 64 MiB); beyond it requests wait up to ``decode_wait_s`` seconds, then are refused as
-      overloaded.
+      300,000 (OpenAI's own per-request limit); over it is a 413. Also the most token ids a tei.v1 ``Decode`` takes.
+    - ``max_decode_bytes``: bytes of big request bodies being read and decoded at once, summed over requests (default:
+      the larger of ``max_body_bytes`` and 64 MiB; small bodies have a reserve of their own:
+      :mod:`attnx.runtime.wire.budget`); a chunk that must wait for room waits up to ``decode_wait_s`` seconds,
+      then the request is refused as overloaded.
+
+    - ``max_positions``: generating models: most positions (prompt + generated tokens) per sequence, which bounds
+      the KV cache (None: the model's own).
 
     Limits that would refuse every request (a body limit or max seq below 1) are refused here.
     """
@@ -55,24 +81,36 @@ class Limits:
     max_request_tokens: int | None = 300_000
     max_decode_bytes: int | None = None
     decode_wait_s: float = 10.0
+    max_messages: int = 2048
+    body_timeout_s: float = 10.0
+    min_body_rate: int | None = 16 << 10
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_tensor_elements", "max_request_elements", "max_texts",
-                     "max_request_tokens", "max_seq", "max_decode_bytes"):
+                     "max_request_tokens", "max_seq", "max_decode_bytes", "max_messages", "min_body_rate",
+                     "max_positions"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.decode_wait_s >= 0:
             raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s!r}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s!r}")
 
     @property
     def decode_budget(self) -> int:
         return self.max_decode_bytes or max(self.max_body_bytes, 64 << 20)
 
-    def check_tokens(self, tokens: int) -> None:
-        """413 for a request whose texts come to more tokens than ``max_request_tokens``."""
+    def body_deadline(self, started: float, received: int) -> float:
+        """When a body that began arriving at ``started`` and has ``received`` bytes so far must be complete."""
+        return started + self.body_timeout_s + (received / self.min_body_rate if self.min_body_rate else 0.0)
+
+    def check_tokens(self, tokens: int, partial: bool = False) -> None:
+        """413 for a request whose texts come to more tokens than ``max_request_tokens`` (``partial``: ``tokens``
+        counts some of its texts only)."""
         if self.max_request_tokens is not None and tokens > self.max_request_tokens:
-            raise too_large(f"the request's inputs come to {tokens} tokens, over the limit of "
+            raise too_large(f"the request's inputs come to {'at least ' * partial}{tokens} tokens, over the limit of "
                             f"{self.max_request_tokens} tokens per request; send fewer or shorter inputs")
 
     def check_count(self, count: int, param: str) -> None:
@@ -81,77 +119,32 @@ class Limits:
             raise ProtocolError(Kind.TOO_MANY, f"'{param}' has {count} inputs, over the limit of {self.max_texts} "
                                                f"per request; send them in several requests", param)
 
+    def check_messages(self, count: int) -> None:
+        """``too_many`` for a chat with more messages than ``max_messages``."""
+        if count > self.max_messages:
+            raise ProtocolError(Kind.TOO_MANY, f"'messages' has {count} messages, over the limit of "
+                                               f"{self.max_messages} per request", "messages")
 
-@dataclass
-class _Waiter:
-    size: int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    granted: bool = False
-
-
-class ByteBudget:
-    """At most ``capacity`` bytes held at once; :meth:`hold` waits (FIFO) or refuses (overloaded)."""
-
-    def __init__(self, capacity: int):
-        if capacity < 1:
-            raise ValueError("the decode budget must be >= 1 byte")
-        self.capacity = capacity
-        self.in_use = 0
-        self._lock = threading.Lock()
-        self._waiters: collections.deque[_Waiter] = collections.deque()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, size: int, timeout_s: float):
-        size = max(1, min(size, self.capacity))  # one request may always have the whole budget
-        await self._acquire(size, timeout_s)
-        try:
-            yield
-        finally:
-            self.release(size)
-
-    async def _acquire(self, size: int, timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if not self._waiters and self.in_use + size <= self.capacity:
-                self.in_use += size
-                return
-            waiter = _Waiter(size, loop.create_future(), loop)
-            self._waiters.append(waiter)
-        try:
-            await asyncio.wait_for(waiter.future, timeout_s)
-        except BaseException as e:  # timed out, or the request went away: give back what was granted
-            with self._lock:
-                if waiter.granted:
-                    self.in_use -= size
-                else:
-                    self._waiters.remove(waiter)
-                self._wake_locked()  # the ones behind it may fit now
-            if isinstance(e, TimeoutError):
-                raise ProtocolError(Kind.OVERLOADED, f"server busy: {self.in_use >> 20} MiB of request bodies are "
-                                    f"being decoded (limit {self.capacity >> 20} MiB); retry later") from None
-            raise
-
-    def release(self, size: int) -> None:
-        with self._lock:
-            self.in_use -= size
-            self._wake_locked()
-
-    def _wake_locked(self) -> None:
-        while self._waiters and self.in_use + self._waiters[0].size <= self.capacity:
-            waiter = self._waiters.popleft()
-            waiter.granted = True
-            self.in_use += waiter.size
-            try:
-                waiter.loop.call_soon_threadsafe(_grant, waiter.future)
-            except RuntimeError:  # its loop has closed: nobody will use the grant
-                waiter.granted = False
-                self.in_use -= waiter.size
-
-
-def _grant(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
+    # --- what a raw JSON body may hold, per kind of route (before it is parsed) ----------------------
+    def json_bound(self, route: str) -> JsonBound:
+        """The bound of a route kind: ``texts`` (embeddings, rerank, classify: inputs are strings or token-id
+        lists), ``prompts`` (completions), ``chat``, ``kserve`` (tensors: only strings are bounded, numbers are
+        decoded without a Python object each)."""
+        tokens = self.max_request_tokens or (1 << 24)
+        values = tokens + 4 * max(self.max_texts, self.max_messages) + CONTEXT_VALUES
+        lists = 64 * max(self.max_texts, self.max_messages) + JSON_SLACK
+        if route == "texts":  # a (query, document) pair or a {"text": ...} document: two strings an input
+            return JsonBound(2 * self.max_texts + JSON_SLACK, values, lists,
+                             f"--max-inputs {self.max_texts}, --max-request-tokens {tokens}")
+        if route == "prompts":
+            return JsonBound(self.max_texts + JSON_SLACK, values, lists,
+                             f"--max-inputs {self.max_texts}, --max-request-tokens {tokens}")
+        if route == "chat":  # role, content and their keys, a name or a tool call: 8 strings a message
+            return JsonBound(8 * self.max_messages + JSON_SLACK, values, lists,
+                             f"{self.max_messages} messages, --max-request-tokens {tokens}")
+        if route == "kserve":  # BYTES text and its pair: texts ride in strings
+            return JsonBound(2 * self.max_texts + JSON_SLACK, None, None, f"--max-inputs {self.max_texts}")
+        raise ValueError(f"unknown route kind {route!r}")
 
 
 # --- reading a body under these rules (HTTP) ---------------------------------------------
@@ -169,23 +162,47 @@ def declared_length(request, limit: int) -> int | None:
     return int(declared)
 
 
-async def read_body(request, limit: int, size: int | None) -> bytearray:
-    """The body, in one buffer of the declared size (not a list of chunks and then a joined copy)."""
-    buf = bytearray(size) if size is not None else bytearray()
-    filled = 0
-    async for chunk in request.stream():
-        if size is None:
-            if filled + len(chunk) > limit:
-                raise too_large(f"body exceeds the limit of {limit} bytes")
-            buf += chunk
-        else:
-            if filled + len(chunk) > size:
-                raise bad_input(f"body longer than its Content-Length ({size})")
-            buf[filled:filled + len(chunk)] = chunk
+async def read_body(request, limits: Limits, size: int | None, share: Share | None = None) -> bytearray:
+    """The body, in one buffer grown as chunks arrive (not a list of chunks and then a joined copy; not sized to
+    the declared length up front either, which a client could declare and never send): each chunk charged to
+    ``share`` as it arrives, the whole under the body deadline (:meth:`Limits.body_deadline`)."""
+    limit = limits.max_body_bytes
+    buf = bytearray()
+    filled, waited = 0, 0.0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    chunks = request.stream().__aiter__()
+    while True:
+        left = limits.body_deadline(started + waited, filled) - loop.time()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(left):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise _slow(limits, filled, size, loop.time() - started - waited) from None
+        if share is not None and chunk:
+            before = loop.time()
+            await share.take(len(chunk), limits.decode_wait_s)
+            waited += loop.time() - before
+        if size is None and filled + len(chunk) > limit:
+            raise too_large(f"body exceeds the limit of {limit} bytes")
+        if size is not None and filled + len(chunk) > size:
+            raise bad_input(f"body longer than its Content-Length ({size})")
+        buf += chunk
         filled += len(chunk)
     if size is not None and filled != size:
         raise bad_input(f"body has {filled} bytes, Content-Length says {size}")
     return buf
+
+
+def _slow(limits: Limits, filled: int, size: int | None, elapsed: float) -> ProtocolError:
+    rate = f" plus 1 s per {limits.min_body_rate} bytes" if limits.min_body_rate else ""
+    of = f" of {size}" if size is not None else ""
+    return ProtocolError(Kind.BODY_TIMEOUT, f"request body too slow: {filled}{of} bytes in {elapsed:.1f} s (the body "
+                                            f"may take {limits.body_timeout_s:g} s{rate}: --body-timeout-s)")
 
 
 # --- the worker policy -------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""Load one decoder and generate a little, for ``bench_decoder_sizes.py``: the memory it holds and its speed.
+
+    python _sizes_worker.py KIND MODEL THREADS [OPTIONS_JSON [NEW]]
+
+Kinds: ``attnx`` (a with-past export through ``attnx.runtime.load`` + :class:`Decoder`; ``OPTIONS_JSON`` are extra
+``load`` options, e.g. ``{"arena": false}`` or
+``{"extra_session_config": {"session.disable_prepacking": "1"}}``),
+``llama-cpp`` (llama-cpp-python's ``Llama`` on a GGUF). Prints one JSON object: this process's memory from
+``/proc/self/status`` with its libraries imported (``start``), after loading and after a greedy generation (``PROMPT`` random token ids, then ``NEW`` tokens,
+EOS ignored; ``NEW`` defaults to 16), decode ms/token (median step after the first), and for attnx the KV cache it states. Imports nothing
+of attnx unless the kind is attnx (llama-cpp-python lives in its own venv).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+PROMPT, NEW = 8, 16
+
+
+def memory() -> dict[str, int]:
+    """VmRSS, VmHWM (peak RSS), RssAnon, RssFile of this process, bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def attnx(model: str, threads: int, options: dict):
+    import numpy as np
+
+    from attnx.runtime import load
+    from attnx.runtime.core.decoding import Decoder
+
+    decoder = Decoder(load(model, device="cpu", threads=threads, **options))
+    vocab = decoder.vocab_size or 1000
+
+    def generate(ids):
+        times, out = [], []
+        logits, state = decoder.start(ids)
+        out.append(int(np.argmax(logits)))
+        while len(out) < NEW:
+            started = time.perf_counter()
+            logits, state = decoder.step(state, out[-1:])
+            times.append(time.perf_counter() - started)
+            out.append(int(np.argmax(logits[0])))
+        return times
+
+    footprint = decoder.kv_footprint()
+    return generate, vocab, {"kv_token_bytes": footprint.token_bytes, "kv_positions": footprint.positions,
+                             "kv_bytes": footprint.bytes(), "kv_line": footprint.describe()}
+
+
+def llama_cpp(model: str, threads: int, options: dict):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=options.get("n_ctx", 512),
+                n_batch=512, verbose=False)
+
+    def generate(ids):
+        times, last = [], time.perf_counter()
+        for count, _ in enumerate(llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)):
+            now = time.perf_counter()
+            if count:
+                times.append(now - last)
+            last = now
+            if count + 1 == NEW:
+                break
+        return times
+
+    return generate, llm.n_vocab(), {}
+
+
+def main() -> None:
+    kind, model, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    global NEW
+    NEW = int(sys.argv[5]) if len(sys.argv) > 5 else NEW
+    import importlib
+
+    # the libraries first: "start" is the bare process, so loaded - start is what the model added
+    for module in (("onnxruntime", "attnx.runtime") if kind == "attnx" else ("llama_cpp",)):
+        importlib.import_module(module)
+    before = memory()
+    started = time.perf_counter()
+    generate, vocab, extra = {"attnx": attnx, "llama-cpp": llama_cpp}[kind](model, threads, options)
+    load_s = time.perf_counter() - started
+    loaded = memory()
+    import random
+
+    ids = [random.Random(0).randrange(3, vocab) for _ in range(PROMPT)]
+    times = generate(ids)
+    after = memory()
+    print(json.dumps({"kind": kind, "load_s": load_s, "start": before, "loaded": loaded, "decoded": after,
+                      "ms_per_token": statistics.median(times) * 1000 if times else None, **extra}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The KV cache's memory, stated at load and bounded by an option (issue 44, item 5).
+
+- the stated bytes per token equal layers x 2 (key, value) x kv heads x head dim x 4 bytes computed from the source
+  folder's config.json, and equal what a decoder's cache really holds after a prefill and some steps;
+- ``max_positions`` (``--max-positions`` of ``attnx generate`` / ``attnx serve``) bounds the positions served: a
+  generation stops there ("length"), a prompt that does not fit is a one-line error naming the bound (a 400 from the
+  server), and the statement at load is made at the bound;
+- a bound above the model's own positions keeps the model's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+import generation_fixtures as gf
+from conftest_runtime import running_server
+from support.cli import run as attnx
+
+from attnx.runtime import load
+from attnx.runtime.core.decoding import Decoder
+from attnx.runtime.core.generate import stream
+from attnx.runtime.core.sampling import sampling_params
+from attnx.runtime.core.text import TextTokenizer
+from attnx.runtime.wire.limits import Limits
+
+
+@pytest.fixture(scope="module")
+def export():
+    return gf.export(gf.folder("llama"), "mha")
+
+
+def config_token_bytes() -> int:
+    """layers x 2 x kv heads x head dim x 4 bytes, from the folder's own config.json (fp32 cache)."""
+    cfg = json.loads((gf.folder("llama") / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+
+
+def test_the_stated_kv_bytes_equal_the_config_and_the_cache_really_held(export):
+    decoder = Decoder(load(export, device="cpu"))
+    footprint = decoder.kv_footprint()
+    per_token = config_token_bytes()
+    positions = json.loads((gf.folder("llama") / "config.json").read_text())["max_position_embeddings"]
+    assert footprint.token_bytes == per_token and footprint.row_bytes == 0
+    assert footprint.positions == positions == decoder.max_positions
+    assert footprint.bytes(rows=3) == 3 * positions * per_token
+    assert f"{per_token:,} bytes per token" in footprint.describe()
+    _, state = decoder.start([5, 6, 7, 8, 9])
+    for token in (10, 11, 12):
+        _, state = decoder.step(state, [token])
+    held = sum(a.nbytes for a in state.host_cache().values())
+    assert held == state.slots * per_token  # one masked slot + 5 prompt + 3 steps, each at the stated size
+    assert state.slots == 9
+
+
+def test_a_bound_stops_generation_and_states_the_cache_at_it(export):
+    session = load(export, device="cpu")
+    decoder = Decoder(session, max_positions=10)
+    assert decoder.max_positions == 10 and decoder.model_positions == 64
+    assert decoder.kv_footprint().bytes() == 10 * config_token_bytes()
+    tokenizer = TextTokenizer.from_export(session.path, session.info)
+    pieces = list(stream(decoder, tokenizer, [5, 6, 7, 8], sampling_params(max_new_tokens=50, ignore_eos=True)))
+    assert sum(p.token is not None for p in pieces) == 6 and pieces[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"11 tokens, more than the 10 positions \(max_positions 10; the model has 64\)"):
+        decoder.start(list(range(4, 15)))
+    assert Decoder(session, max_positions=1000).max_positions == 64  # never above the model's own
+
+
+def test_generate_refuses_a_prompt_beyond_the_bound_in_one_line(export):
+    out = attnx("generate", str(export), "the cat sat on the mat and the dog sat on the log", "--max-positions", "4",
+                "-n", "2")
+    assert out.returncode == 2, out.output
+    (line,) = out.errors()
+    assert "--max-positions 4" in line and "shorter than 4 tokens" in line
+    assert f"KV cache: {config_token_bytes():,} bytes per token" in out.stderr
+
+
+def test_generate_within_the_bound_stops_at_it(export):
+    out = attnx("generate", str(export), "the cat", "--max-positions", "6", "-n", "50")
+    assert out.returncode == 0, out.output
+    assert "(length)" in out.stderr
+    tokenizer = TextTokenizer.from_export(export, load(export, device="cpu").info)
+    prompt = len(tokenizer.tokenize(["the cat"], truncate=False)[0].ids)
+    assert f"{6 - prompt} tokens (length)" in out.stderr
+
+
+def test_the_server_refuses_requests_beyond_its_bound_with_a_400_naming_it(export):
+    with running_server({"llm": export}, limits=Limits(max_positions=8)) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        long = http.post("/v1/completions", json={"model": "llm", "prompt": list(range(4, 14)), "max_tokens": 1})
+        assert long.status_code == 400 and "--max-positions 8" in long.json()["error"]["message"]
+        room = http.post("/v1/completions", json={"model": "llm", "prompt": [5, 6, 7], "max_tokens": 6})
+        assert room.status_code == 400 and "--max-positions 8" in room.json()["error"]["message"]
+        ok = http.post("/v1/completions", json={"model": "llm", "prompt": [5, 6, 7], "max_tokens": 5,
+                                                "temperature": 0, "ignore_eos": True})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 5
+        metadata = http.get("/v2/models/llm").json()
+        assert metadata["parameters"]["max_positions"] == 8
+        assert any(f"{8 * config_token_bytes() / 1e3:.1f} KB per sequence" in line
+                   for line in server.describe().splitlines())
+
+
+# --- memory at load: the weights stay mapped ------------------------------------------------------------------
+
+#: A decoder whose tied embedding and head (65536 x 256) outweigh the rest, so what a load copies shows in MB.
+WIDE_VOCAB = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=1024, vocab_size=65536, max_position_embeddings=64, tie_word_embeddings=True,
+                  bos_token_id=0, eos_token_id=2, pad_token_id=1)
+
+#: Loads a file (options as JSON), prefills 3 tokens, prints its anonymous memory before/after and the mappings of
+#: its ``.onnx.data`` (count, bytes mapped, bytes resident) from /proc/self/smaps.
+PROBE = r"""
+import json, sys
+def anon():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+def mapped(name):
+    count = size = rss = 0
+    current = None
+    for line in open("/proc/self/smaps"):
+        parts = line.split()
+        if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+            current = parts[5] if len(parts) > 5 else ""
+        elif current and current.endswith(name) and parts[0] == "Size:":
+            count, size = count + 1, size + int(parts[1]) * 1024
+        elif current and current.endswith(name) and parts[0] == "Rss:":
+            rss += int(parts[1]) * 1024
+    return count, size, rss
+import onnxruntime
+from attnx.runtime import load
+from attnx.runtime.core.decoding import Decoder
+before = anon()
+decoder = Decoder(load(sys.argv[1], device="cpu", threads=1, **json.loads(sys.argv[2])))
+decoder.start([5, 6, 7])
+print(json.dumps({"anon": anon() - before, "mapped": mapped("model.onnx.data")}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wide_int4():
+    import shutil
+
+    from support import cache, exports
+
+    def make(out):
+        import torch
+        import transformers
+
+        cfg = transformers.LlamaConfig(**WIDE_VOCAB)
+        cfg.architectures = ["LlamaForCausalLM"]
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+        for f in gf.folder("llama").iterdir():
+            if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+                shutil.copyfile(f, out / f.name)
+
+    folder = cache.entry("llama-wide-vocab", make, kind="folder", shape=WIDE_VOCAB)
+    return exports.pretrained(folder, "mha", with_past=True, weight_only_bits=4).path
+
+
+def _initializer_bytes(path) -> dict[str, int]:
+    """Bytes of the MatMulNBits packed weights (``b``; ``b_own``: those no other node reads, whose mapping ORT can
+    release), of all their inputs (``quantized``: weights, scales, zero points: what ONNX Runtime repacks) and of
+    every initializer (``total``)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    sizes = {}
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            sizes[t.name] = int({e.key: e.value for e in t.external_data}["length"])
+        else:
+            sizes[t.name] = len(t.raw_data) if t.raw_data else onnx.numpy_helper.to_array(t).nbytes
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    shared = {i for n in model.graph.node if n.op_type != "MatMulNBits" for i in n.input}
+    return {"b": sum(sizes[n.input[1]] for n in nbits),
+            "b_own": sum(sizes[n.input[1]] for n in nbits if n.input[1] not in shared),
+            "quantized": sum(sizes.get(i, 0) for n in nbits for i in set(n.input[1:])), "total": sum(sizes.values())}
+
+
+def _probe(path, options: dict) -> dict:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PROBE, str(path), json.dumps(options)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_int4_export_loads_mapped_and_repacks_its_projections_in_place_of_the_originals(wide_int4):
+    """ONNX Runtime maps ``model.onnx.data``; MatMulNBits repacks its weights into anonymous memory and unmaps the
+    originals, so a load holds each weight once: the repacked projections, the rest (the quantized embedding's
+    table, norms) mapped from the file. The tied table, which the head repacks and the embedding's gather reads,
+    stays mapped: the pages the repacking read are released (``release_read_weights``), the gather reads its rows
+    again. Without repacking every weight stays mapped and nothing is copied."""
+    sizes = _initializer_bytes(wide_int4)
+    shared_table = sizes["b"] - sizes["b_own"]
+    assert shared_table > 16e6 and sizes["b_own"] > 1.5e6  # the tied 8-bit table, the layers' projections
+    repacked = _probe(wide_int4, {})
+    plain = _probe(wide_int4, {"extra_session_config": {"session.disable_prepacking": "1"}})
+    assert plain["mapped"][1] >= 0.9 * sizes["total"]  # everything mapped, nothing read into memory
+    assert repacked["mapped"][1] <= sizes["total"] - 0.9 * sizes["b_own"]  # the repacked originals are unmapped ...
+    assert repacked["mapped"][1] >= 0.9 * shared_table  # ... the tied table stays mapped ...
+    assert repacked["mapped"][2] < 0.02 * shared_table  # ... but not resident: 3 rows of it were read since
+    # anonymous memory beyond the session's own (the run without repacking): the repacked copies, once
+    assert repacked["anon"] - plain["anon"] <= 1.3 * sizes["quantized"] + 4e6, (repacked, plain, sizes)
