@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_folders import make_folder, train_tokenizer  # noqa: E402
-from support.cli import forked, one_line_error, subprocess_run  # noqa: E402
+from support.cli import STAGE_LINE, forked, one_line_error, subprocess_run  # noqa: E402
 from support.cli import run as attnx  # noqa: E402
 
 
@@ -183,7 +184,10 @@ def test_export_prints_no_third_party_warnings(llama, tmp_path):
     # a real process: third-party warnings may come from native code, past Python's sys.stderr
     proc = subprocess_run("export", "--from-pretrained", llama, "--with-past", "-o", tmp_path / "wp" / "model.onnx")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.strip() == "", proc.stderr  # no "[W] colored module ...", no "foldable nodes ..."
+    # no "[W] colored module ...", no "foldable nodes ...": only attnx's own stage lines (stderr is not a terminal)
+    others = [line for line in proc.stderr.strip().splitlines() if not STAGE_LINE.match(line)]
+    assert others == [], proc.stderr
+    assert "export llama + mha: finished in" in proc.stderr, proc.stderr
     assert "reference for `attnx check`" in proc.stdout
 
 
@@ -456,9 +460,9 @@ def test_build_engine_writes_engine_and_sidecar_as_a_whole(exported, tmp_path, m
 
 # --------------------------------------------------------------------------- progress
 
-def test_export_progress_on_a_terminal_and_quiet_when_piped(tiny_bert, tmp_path, monkeypatch):
-    """Each step's name and time on a terminal (a bar while the weights are written); nothing of it in a
-    pipe or a log."""
+def test_export_progress_on_a_terminal_and_plain_lines_when_piped(tiny_bert, tmp_path, monkeypatch):
+    """Each step's name and time on a terminal (a bar while the weights are written); in a pipe or a log, one
+    plain line per stage and one with their times (no bar, no colours, no cursor moves)."""
     import io
     import re
 
@@ -468,7 +472,11 @@ def test_export_progress_on_a_terminal_and_quiet_when_piped(tiny_bert, tmp_path,
 
     piped = attnx("export", "--from-pretrained", tiny_bert, "-o", tmp_path / "piped.onnx")
     assert piped.returncode == 0, piped.output
-    assert not [label for label in export_cmd.STEP_LABELS.values() if label in piped.output], piped.output
+    staged = [line for line in piped.stderr.splitlines() if STAGE_LINE.match(line)]
+    for step in ("load", "trace", "translate", "optimise", "save"):
+        assert any(line.endswith(": " + export_cmd.STEP_LABELS[step]) for line in staged), (step, piped.stderr)
+    assert re.search(r": finished in \d+\.\ds \(", staged[-1]), piped.stderr
+    assert "\x1b" not in piped.output and "\r" not in piped.output, piped.output
     screen = io.StringIO()
     monkeypatch.setattr(export_cmd, "console", Console(file=screen, force_terminal=True, width=120))
     monkeypatch.setattr(export_cmd, "err_console", Console(file=io.StringIO(), force_terminal=True))
