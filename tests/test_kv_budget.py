@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -113,8 +114,9 @@ WIDE_VOCAB = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, n
                   intermediate_size=1024, vocab_size=65536, max_position_embeddings=64, tie_word_embeddings=True,
                   bos_token_id=0, eos_token_id=2, pad_token_id=1)
 
-#: Loads a file (options as JSON), prefills 3 tokens, prints its anonymous memory before/after and the mappings of
-#: its ``.onnx.data`` (count, bytes mapped, bytes resident) from /proc/self/smaps.
+#: Loads a file (options as JSON), prefills 3 tokens and runs 2 steps; prints its anonymous memory grown by the load
+#: (``loaded``) and by the end (``anon``), the mappings of its ``.onnx.data`` and of a prepacked copy's data (count,
+#: bytes mapped, bytes resident, from /proc/self/smaps) and a digest of every logit computed.
 PROBE = r"""
 import json, sys
 def anon():
@@ -134,10 +136,19 @@ def mapped(name):
 import onnxruntime
 from attnx.runtime import load
 from attnx.runtime.core.decoding import Decoder
+import hashlib
+import numpy as np
 before = anon()
 decoder = Decoder(load(sys.argv[1], device="cpu", threads=1, **json.loads(sys.argv[2])))
-decoder.start([5, 6, 7])
-print(json.dumps({"anon": anon() - before, "mapped": mapped("model.onnx.data")}))
+loaded = anon() - before
+logits, state = decoder.start([5, 6, 7])
+steps = [np.asarray(logits)]
+for token in (8, 9):
+    logits, state = decoder.step(state, [token])
+    steps.append(np.asarray(logits))
+print(json.dumps({"anon": anon() - before, "loaded": loaded, "mapped": mapped("model.onnx.data"),
+                  "prepacked": mapped("model.prepacked.onnx.data"),
+                  "logits": hashlib.sha256(b"".join(a.tobytes() for a in steps)).hexdigest()}))
 """
 
 
@@ -183,12 +194,13 @@ def _initializer_bytes(path) -> dict[str, int]:
             "quantized": sum(sizes.get(i, 0) for n in nbits for i in set(n.input[1:])), "total": sum(sizes.values())}
 
 
-def _probe(path, options: dict) -> dict:
+def _probe(path, options: dict, env: dict | None = None) -> dict:
+    import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", PROBE, str(path), json.dumps(options)], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -202,11 +214,71 @@ def test_an_int4_export_loads_mapped_and_repacks_its_projections_in_place_of_the
     sizes = _initializer_bytes(wide_int4)
     shared_table = sizes["b"] - sizes["b_own"]
     assert shared_table > 16e6 and sizes["b_own"] > 1.5e6  # the tied 8-bit table, the layers' projections
-    repacked = _probe(wide_int4, {})
-    plain = _probe(wide_int4, {"extra_session_config": {"session.disable_prepacking": "1"}})
+    repacked = _probe(wide_int4, {"prepacked": False})
+    plain = _probe(wide_int4, {"prepacked": False, "extra_session_config": {"session.disable_prepacking": "1"}})
     assert plain["mapped"][1] >= 0.9 * sizes["total"]  # everything mapped, nothing read into memory
     assert repacked["mapped"][1] <= sizes["total"] - 0.9 * sizes["b_own"]  # the repacked originals are unmapped ...
     assert repacked["mapped"][1] >= 0.9 * shared_table  # ... the tied table stays mapped ...
     assert repacked["mapped"][2] < 0.02 * shared_table  # ... but not resident: 3 rows of it were read since
     # anonymous memory beyond the session's own (the run without repacking): the repacked copies, once
     assert repacked["anon"] - plain["anon"] <= 1.3 * sizes["quantized"] + 4e6, (repacked, plain, sizes)
+
+
+# --- memory at load: the repacked weights mapped from a prepacked copy -------------------------------------------
+
+@pytest.fixture()
+def wide_int4_copy(wide_int4, tmp_path, monkeypatch):
+    """The wide int4 export copied to a folder of the test's own (its prepacked copy is written beside it)."""
+    import shutil
+
+    monkeypatch.setenv("ATTNX_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "export"
+    shutil.copytree(wide_int4.parent, folder, ignore=shutil.ignore_patterns("*.prepacked*", "*.safetensors"))
+    return folder / wide_int4.name
+
+
+def test_an_int4_export_loads_its_repacked_weights_mapped_from_a_prepacked_copy(wide_int4_copy):
+    """By default a with-past int4 export loads through ``<name>.prepacked.onnx`` (made once, beside it): ONNX
+    Runtime maps the repacked projections from its data file instead of repacking them into anonymous memory.
+    The anonymous-repacking load holds ~1.2x the quantized weights in anonymous memory; this one holds almost
+    none of them, and computes the same logits bit for bit."""
+    sizes = _initializer_bytes(wide_int4_copy)
+    env = {"ATTNX_CACHE": str(wide_int4_copy.parent.parent / "cache")}
+    anonymous = _probe(wide_int4_copy, {"prepacked": False}, env)
+    plain = _probe(wide_int4_copy, {"prepacked": False, "extra_session_config": {"session.disable_prepacking": "1"}},
+                   env)
+    first = _probe(wide_int4_copy, {}, env)  # makes the copy (in a child process), then loads it
+    assert (wide_int4_copy.parent / "model.prepacked.onnx").is_file()
+    mapped = _probe(wide_int4_copy, {}, env)
+    assert anonymous["loaded"] - plain["loaded"] >= 0.9 * sizes["quantized"]  # the design this replaces
+    for run in (first, mapped):
+        assert run["loaded"] - plain["loaded"] <= 0.15 * sizes["quantized"], (run, plain, sizes)
+        assert run["prepacked"][1] >= 0.9 * sizes["b"]  # the repacked weights are file-backed
+        assert run["logits"] == anonymous["logits"]
+    assert _probe(wide_int4_copy, {}, {**env, "ATTNX_PREPACKED": "0"})["prepacked"][0] == 0  # turned off
+
+
+def test_a_stale_or_foreign_prepacked_copy_is_never_used(wide_int4_copy, monkeypatch):
+    """The copy is keyed on the export's files (size + mtime), ONNX Runtime's version, the CPU and the settings,
+    and on the identity of the files written: an export changed since, or a key or file from elsewhere, makes a new
+    copy; a folder that cannot be written puts the copy in attnx's cache."""
+    import os
+
+    from attnx.runtime.core import prepacked
+
+    settings = {"optimization": "all", "disabled_optimizers": []}
+    made = prepacked.prepared_model(wide_int4_copy, settings)
+    key_file = made.with_name("model.prepacked.json")
+    first = key_file.read_text()
+    assert prepacked.prepared_model(wide_int4_copy, settings) == made and key_file.read_text() == first  # reused
+    data = wide_int4_copy.with_name("model.onnx.data")
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 10**9))  # the export changed
+    assert prepacked.prepared_model(wide_int4_copy, settings) == made and key_file.read_text() != first
+    second = key_file.read_text()
+    made.with_name("model.prepacked.onnx.data").write_bytes(b"foreign")  # a file the key did not record
+    assert prepacked.prepared_model(wide_int4_copy, settings) == made and key_file.read_text() != second
+    assert prepacked.prepared_model(wide_int4_copy, {**settings, "optimization": "basic"}) == made
+    assert json.loads(key_file.read_text())["key"]["settings"]["optimization"] == "basic"
+    monkeypatch.setattr(prepacked, "_writable", lambda folder: False)  # a read-only export folder
+    cached = prepacked.prepared_model(wide_int4_copy, settings)
+    assert cached.parent.parent == Path(os.environ["ATTNX_CACHE"]) / "prepacked" and cached.is_file()
