@@ -7,13 +7,18 @@ an external data file; a later session of that file maps them, so they are file-
 processes, and nothing is repacked again.
 
 :func:`prepared_model` makes that copy once per export, ONNX Runtime version, CPU and session settings, in a child
-process (the repacking's anonymous peak is not the serving process's), beside the export as
-``<name>.prepacked.onnx`` + ``<name>.prepacked.onnx.data`` + ``<name>.prepacked.json`` (the key), or, where the
+process (the repacking's anonymous peak is not the serving process's), beside the export, in its hidden folder
+``.attnx-prepacked/``, as ``<name>.prepacked.onnx`` + ``<name>.prepacked.onnx.data`` + ``<name>.prepacked.json``
+(the key), or, where the
 export's folder is not writable, under attnx's cache folder (``$ATTNX_CACHE``, else ``$XDG_CACHE_HOME/attnx``, else
 ``~/.cache/attnx``; then ``prepacked/``). The key records what the copy was made from and the identity (size,
 mtime, inode) of the files written, which are written in a scratch folder and moved into place, the key last: a
-stale, foreign or half-replaced copy is never loaded (it is made again). ``ATTNX_PREPACKED=0``, or
-``load(path, prepacked=False)``, turns it off.
+stale, foreign or half-replaced copy is never loaded (it is made again). ONNX Runtime 1.31.1 writes the repacked
+blobs at unaligned offsets, which MLAS then reads shifted, so the data file is rewritten page-aligned
+(:func:`realign`), and a copy whose prefill logits differ by a bit from the export's own session is refused.
+Opt-in for now (``ATTNX_PREPACKED=1``, or ``load(path, prepacked=True)``): the copy costs ~1.5x the export on disk
+and a prepare step at the first load, and it relies on the layout of ONNX Runtime's prepacked external data (the
+logits check above is the safeguard); the default load repacks into anonymous memory as before.
 """
 
 from __future__ import annotations
@@ -29,16 +34,18 @@ import tempfile
 import warnings
 from pathlib import Path
 
-#: Turns the prepared copies off when set to 0 / false / no / off.
+#: Turns the prepared copies on when set to 1 / true / yes / on.
 ENV = "ATTNX_PREPACKED"
 SUFFIX = ".prepacked.onnx"
+#: The hidden folder beside an export that holds its copies (a folder's ``*.onnx`` stays the export alone).
+BESIDE = ".attnx-prepacked"
 
 
 def enabled(option: bool | None = None) -> bool:
-    """The caller's choice, else the environment's (on unless ``ATTNX_PREPACKED`` says 0/false/no/off)."""
+    """The caller's choice, else the environment's (off unless ``ATTNX_PREPACKED`` says 1/true/yes/on)."""
     if option is not None:
         return bool(option)
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _cpu() -> str:
@@ -85,7 +92,7 @@ def _places(path: Path) -> list[Path]:
     base = os.environ.get("ATTNX_CACHE") or (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                                               / "attnx")
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    return [path.parent, Path(base).expanduser() / "prepacked" / digest]
+    return [path.parent / BESIDE, Path(base).expanduser() / "prepacked" / digest]
 
 
 def _names(folder: Path, path: Path) -> tuple[Path, Path, Path]:
@@ -107,24 +114,80 @@ def _valid(folder: Path, path: Path, key: dict) -> Path | None:
     return model
 
 
-#: Run in a child process: argv = source, target folder, JSON of the session settings.
+#: Run in a child process: argv = source, target folder, JSON of the session settings. The session that writes the
+#: copy computes a prefill's logits, and the copy (realigned) must compute the same bits, or it is refused.
 _PREPARE = r"""
 import json, sys
 from pathlib import Path
-from attnx.runtime.core.backends.onnxrt import OrtOptions
+import numpy as np
+from attnx.runtime.core.backends.onnxrt import OnnxRuntimeSession, OrtOptions
+from attnx.runtime.core.decoding import Decoder
+from attnx.runtime.core.prepacked import realign
 source, folder, settings = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+written = folder / ("unaligned" + source.stem + ".prepacked.onnx")
 target = folder / (source.stem + ".prepacked.onnx")
-options = OrtOptions(device="cpu", threads=1, optimization=settings["optimization"],
-                     disabled_optimizers=tuple(settings["disabled_optimizers"]), extra_session_config={
-    **settings.get("extra_session_config", {}), "session.save_external_prepacked_constant_initializers": "1",
-    "session.optimized_model_external_initializers_file_name": target.name + ".data",
-    "session.optimized_model_external_initializers_min_size_in_bytes": "1024"})
-session_options = options.session_options()
-session_options.optimized_model_filepath = str(target)
-import onnxruntime
-onnxruntime.InferenceSession(str(source), sess_options=session_options, providers=["CPUExecutionProvider"],
-                             disabled_optimizers=list(options.disabled_optimizers))
+def options(extra):
+    return OrtOptions(device="cpu", threads=1, optimization=settings["optimization"],
+                      disabled_optimizers=tuple(settings["disabled_optimizers"]),
+                      extra_session_config={**settings.get("extra_session_config", {}), **extra})
+saving = options({"session.save_external_prepacked_constant_initializers": "1",
+                  "session.optimized_model_external_initializers_file_name": written.name + ".data",
+                  "session.optimized_model_external_initializers_min_size_in_bytes": "1024"})
+session_options = saving.session_options()
+session_options.optimized_model_filepath = str(written)
+saving.session_options = lambda: session_options
+def logits(path):
+    decoder = Decoder(OnnxRuntimeSession(path, saving if path == source else options({})))
+    first, state = decoder.start([1, 2, 3])
+    second, _ = decoder.step(state, [4])
+    return np.concatenate([np.asarray(first).ravel(), np.asarray(second).ravel()])
+expected = logits(source)
+realign(written, target)
+if not np.array_equal(expected, logits(target)):
+    sys.exit("the prepacked copy computed other logits than the export")
 """
+
+
+#: Where each tensor starts in a realigned data file: ONNX Runtime 1.31 writes prepacked blobs at any offset, but
+#: MLAS aligns its packed layout from the buffer's address, so a blob mapped at another alignment than the heap
+#: buffer it was written from is read shifted (wrong logits, NaN). A page keeps every alignment MLAS uses.
+ALIGNMENT = 4096
+
+
+def realign(written: Path, target: Path, chunk: int = 1 << 24) -> None:
+    """Copy ``written`` (an optimized model with external data and prepacked blobs) to ``target``, every tensor
+    and blob of its data at an :data:`ALIGNMENT`-aligned offset; streamed, a ``chunk`` at a time."""
+    import onnx
+
+    model = onnx.load(str(written), load_external_data=False)
+    source_data = written.with_name(written.name + ".data")
+    target_data = target.with_name(target.name + ".data")
+    with open(source_data, "rb") as src, open(target_data, "wb") as dst:
+        def copy(offset: int, length: int) -> int:
+            dst.write(b"\0" * (-dst.tell() % ALIGNMENT))
+            start = dst.tell()
+            src.seek(offset)
+            left = length
+            while left:
+                block = src.read(min(chunk, left))
+                if not block:
+                    raise OSError(f"{source_data.name} ends inside a tensor")
+                dst.write(block)
+                left -= len(block)
+            return start
+
+        for tensor in model.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            entries = {e.key: e for e in tensor.external_data}
+            entries["location"].value = target_data.name
+            entries["offset"].value = str(copy(int(entries["offset"].value), int(entries["length"].value)))
+            for key, entry in entries.items():  # "prepacked_N": "<kernel key>|<offset>;<length>;<flags>"
+                if key.startswith("prepacked"):
+                    name, _, where = entry.value.partition("|")
+                    offset, length, rest = where.split(";", 2)
+                    entry.value = f"{name}|{copy(int(offset), int(length))};{length};{rest}"
+    onnx.save(model, str(target))
 
 
 def _write(folder: Path, path: Path, key: dict) -> Path:
@@ -136,8 +199,8 @@ def _write(folder: Path, path: Path, key: dict) -> Path:
                                json.dumps(key["settings"])], capture_output=True, text=True)
         made, made_data, _ = _names(scratch, path)
         if done.returncode != 0 or not made.is_file() or not made_data.is_file():
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
-                               "ONNX Runtime wrote no prepacked data")
+            lines = [line for line in done.stderr.splitlines() if line.strip() and "Serializing" not in line]
+            raise RuntimeError(lines[-1] if lines else "ONNX Runtime wrote no prepacked data")
         model, data, key_file = _names(folder, path)
         key_file.unlink(missing_ok=True)  # no key: no copy, while the files are replaced
         os.replace(made_data, data)
@@ -168,7 +231,7 @@ def prepared_model(path: Path, settings: dict) -> Path | None:
             return found
     why = "no writable folder"
     for folder in places:
-        if folder == path.parent and not _writable(folder):
+        if folder == places[0] and not _writable(path.parent):
             continue
         try:
             return _write(folder, path, key)

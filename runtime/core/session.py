@@ -372,12 +372,43 @@ def release_read_weights(path: Path) -> int:
     return dropped
 
 
+def prepacked_source(path: Path, options, choice: bool | None = None) -> Path:
+    """The file to load for the with-past export ``path``: its prepacked copy
+    (:func:`attnx.runtime.core.prepacked.prepared_model`: the ``MatMulNBits`` weights repacked once into a file ONNX
+    Runtime maps, not into anonymous memory at every load) when it has such weights, runs on the CPU with
+    prepacking on, and ``choice`` / ``ATTNX_PREPACKED=1`` ask for it; else ``path`` itself."""
+    from attnx.runtime.core import prepacked
+    from attnx.runtime.core.backends.onnxrt import ort_providers
+
+    extra = dict(options.extra_session_config)
+    if not prepacked.enabled(choice) or extra.get("session.disable_prepacking") == "1" \
+            or ort_providers(options.device) != ["CPUExecutionProvider"] or not _weight_only(path):
+        return path
+    settings = {"optimization": options.optimization, "disabled_optimizers": sorted(options.disabled_optimizers),
+                "extra_session_config": extra}
+    return prepacked.prepared_model(path, settings) or path
+
+
+def _weight_only(path: Path) -> bool:
+    """The file's metadata says its weights are ``MatMulNBits`` blocks (``attnx.precision`` ``int4-weights`` /
+    ``int8-weights``); read without its external data."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # an unreadable file fails in the session, with ONNX Runtime's own message
+        return False
+    return any(p.key == "attnx.precision" and p.value.endswith("-weights") for p in model.metadata_props)
+
+
 def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None = None, axes=None,
          **opts: Any) -> Session:
     """Load a model file once; returns a thread-safe :class:`Session`.
 
     ``.onnx`` -> ONNX Runtime (``device``: ``auto`` | ``cpu`` | ``cuda``; ``threads``:
-    intra-op threads; ``spin``, ``optimization`` as in :class:`~attnx.runtime.core.backends.onnxrt.OrtOptions`).
+    intra-op threads; ``spin``, ``optimization`` as in :class:`~attnx.runtime.core.backends.onnxrt.OrtOptions`;
+    ``prepacked``: load a with-past int8/int4 export through its prepacked copy, :func:`prepacked_source`; default
+    on unless ``ATTNX_PREPACKED=0``).
     ``.engine`` / ``.plan`` -> TensorRT (``onnx_path``: the source ONNX, when the engine's sidecar
     does not list its I/O). The batch and sequence axes of every tensor are then resolved
     (:func:`attnx.runtime.core.axes.apply_axes`; ``axes``: an :class:`~attnx.runtime.core.axes.AxisFlags`).
@@ -392,10 +423,13 @@ def load(path: str | os.PathLike, *, device: str = "auto", threads: int | None =
 
         # a with-past export runs one short step after another: its own defaults (caller's options win)
         decoding = decoding_options(p)
-        opts = {**decoding, **opts}
-        session: Session = OnnxRuntimeSession(p, OrtOptions(device=device, threads=threads, **opts))
+        prepacked = opts.pop("prepacked", None)
+        options = OrtOptions(device=device, threads=threads, **{**decoding, **opts})
+        source = prepacked_source(p, options, prepacked) if decoding else p
+        session: Session = OnnxRuntimeSession(source, options)
+        session.path = p  # the export's own name: its tokenizer, config and sidecars lie beside it
         if decoding:
-            release_read_weights(p)
+            release_read_weights(source)
     elif suffix in (".engine", ".plan"):
         from attnx.runtime.core.backends.tensorrt import EngineSession
 
