@@ -113,3 +113,32 @@ def neutral_context(specs, rows: int = 1) -> dict:
         shape = [rows if d == "batch" else d for d in s.shape]
         out[s.name] = np.full(shape, 0.5, np.float32) if s.dtype == "float" else np.ones(shape, np.int64)
     return out
+
+
+# --- a decoder that calls tools: a 512-position tiny Llama with a template that renders them ---------------------------
+
+#: A chat template that lists the tools and asks for hermes-style calls (what tool-calling templates do).
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>"
+                  "answer with <tool_call>{json}</tool_call>\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
+                  "{{ m['content'] }}{% endfor %}<assistant>")
+
+
+def _long_positions(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 512  # room for the tools in the prompt (a 200-token vocabulary)
+    (folder / "config.json").write_text(json.dumps(config))
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok["model_max_length"] = 512
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+
+
+def long_folder() -> Path:
+    """The tiny random Llama with 512 positions (room for tools in a prompt); its files carry no chat template."""
+    return exports.hf_folder("llama", edit=_long_positions, tag="positions-512-tok")
+
+
+def tools_export(tmp: Path) -> Path:
+    """:func:`long_folder`'s export in ``tmp`` (linked), its chat template :data:`TOOLS_TEMPLATE`."""
+    tooled = exports.linked_copy(export(long_folder(), "mha"), tmp)
+    (tooled.parent / "model.tokenizer" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    return tooled

@@ -26,29 +26,16 @@ from support import exports
 from attnx.runtime import BatcherConfig
 
 MESSAGES = [{"role": "user", "content": "Where is the cat?"}]
-TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>"
-                  "answer with <tool_call>{json}</tool_call>\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
-                  "{{ m['content'] }}{% endfor %}<assistant>")
 LOOPING_TEMPLATE = ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
                     "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 F = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
     "zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
 
 
-def _long_positions(folder):
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 512  # room for the tools in the prompt (a 200-token vocabulary)
-    (folder / "config.json").write_text(json.dumps(config))
-    tok = json.loads((folder / "tokenizer_config.json").read_text())
-    tok["model_max_length"] = 512
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    long = exports.hf_folder("llama", edit=_long_positions, tag="positions-512-tok")
-    tooled = exports.linked_copy(gf.export(long, "mha"), tmp_path_factory.mktemp("tools"))
-    (tooled.parent / "model.tokenizer" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    long = gf.long_folder()
+    tooled = gf.tools_export(tmp_path_factory.mktemp("tools"))
     looping = exports.linked_copy(gf.export(long, "mha"), tmp_path_factory.mktemp("looping"))
     (looping.parent / "model.tokenizer" / "chat_template.jinja").write_text(LOOPING_TEMPLATE)
     paths = {"llm": gf.export(gf.chat_folder(), "mha"), "tools": tooled, "looping": looping}

@@ -25,7 +25,6 @@ import torch
 
 import generation_fixtures as gf
 from conftest_runtime import running_server
-from support import exports
 
 import transformers
 transformers.logging.set_verbosity_error()
@@ -35,10 +34,6 @@ from attnx.runtime.core import tools  # noqa: E402
 
 PROMPT = "the cat sat on the mat"
 MESSAGES = [{"role": "user", "content": "Where is the cat?"}]
-#: A short template in the Hermes/Qwen2.5 form: the tools as JSON, and calls shown as <tool_call> blocks.
-TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>"
-                  "answer with <tool_call>{json}</tool_call>\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
-                  "{{ m['content'] }}{% endfor %}<assistant>")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "additionalProperties": False,
                                                            "properties": {"city": {"type": "string", "maxLength": 6}},
@@ -48,24 +43,14 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "additionalProperties": False}}}
 
 
-def _long_positions(folder):
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 512  # room for the tools in the prompt (a 200-token vocabulary)
-    (folder / "config.json").write_text(json.dumps(config))
-    tok = json.loads((folder / "tokenizer_config.json").read_text())
-    tok["model_max_length"] = 512
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
-
-
 @pytest.fixture(scope="module")
 def folders():
-    return {"llm": gf.chat_folder(), "long": exports.hf_folder("llama", edit=_long_positions, tag="positions-512-tok")}
+    return {"llm": gf.chat_folder(), "long": gf.long_folder()}
 
 
 @pytest.fixture(scope="module")
 def server(folders, tmp_path_factory):
-    tooled = exports.linked_copy(gf.export(folders["long"], "mha"), tmp_path_factory.mktemp("tools"))
-    (tooled.parent / "model.tokenizer" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    tooled = gf.tools_export(tmp_path_factory.mktemp("tools"))
     paths = {"llm": gf.export(folders["llm"], "mha"), "tools": tooled}
     with running_server(paths, batching=BatcherConfig(max_batch_size=8, max_queue_size=64)) as s:
         yield s

@@ -27,7 +27,6 @@ import torch
 
 import generation_fixtures as gf
 from conftest_runtime import running_server
-from support import exports
 
 import transformers
 transformers.logging.set_verbosity_error()
@@ -38,9 +37,6 @@ from attnx.runtime.apis import completions  # noqa: E402
 HERE = Path(__file__).parent
 PROMPT = "the cat sat on the mat"
 MESSAGES = [{"role": "user", "content": "Where is the cat?"}]
-TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>"
-                  "answer with <tool_call>{json}</tool_call>\n{% endif %}{% for m in messages %}<{{ m['role'] }}>"
-                  "{{ m['content'] }}{% endfor %}<assistant>")
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
                                            "required": ["zone"], "additionalProperties": False}}
 WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -102,24 +98,14 @@ REFUSED = {
 }
 
 
-def _long_positions(folder):
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 512
-    (folder / "config.json").write_text(json.dumps(config))
-    tok = json.loads((folder / "tokenizer_config.json").read_text())
-    tok["model_max_length"] = 512
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
-
-
 @pytest.fixture(scope="module")
 def folders():
-    return {"llm": gf.chat_folder(), "long": exports.hf_folder("llama", edit=_long_positions, tag="positions-512-tok")}
+    return {"llm": gf.chat_folder(), "long": gf.long_folder()}
 
 
 @pytest.fixture(scope="module")
 def server(folders, tmp_path_factory):
-    tooled = exports.linked_copy(gf.export(folders["long"], "mha"), tmp_path_factory.mktemp("tools"))
-    (tooled.parent / "model.tokenizer" / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    tooled = gf.tools_export(tmp_path_factory.mktemp("tools"))
     llm = gf.export(folders["llm"], "mha")
     bare = gf.export(folders["long"], "mha")  # its files carry no chat template
     paths = {"llm": llm, "tools": tooled, "capped": llm, "bare": bare}
