@@ -7,3 +7,6 @@ the model step of ``attnx triton-repo --backend python`` (:mod:`~attnx.deploy.ru
 Ray Serve replicas (:mod:`~attnx.deploy.ray`), and the load generator behind ``attnx bench``
 (:mod:`~attnx.deploy.loadtest`), which drives an in-process batcher or any KServe v2 server.
 """
+
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.deploy
+    raise ImportError(f"import attnx.deploy, not {__name__}: the package is attnx (pip install -e .)")

@@ -27,6 +27,9 @@ Typical use::
 Importing this package imports no TensorRT: :func:`backend` does, on first use.
 """
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.engine
+    raise ImportError(f"import attnx.engine, not {__name__}: the package is attnx (pip install -e .)")
+
 from attnx.engine.build import EngineBuild, NetworkHook, build, build_engine, default_engine_path, parse_size
 from attnx.engine.cuda import gpu_compute_capability
 from attnx.engine.discovery import (

@@ -15,3 +15,6 @@ numpy (and ``tokenizers``) only: no torch, nothing that opens a model. The sourc
 export through the runtime, a running server, a torch model) and the torch tools (activation
 patching, PNG heatmaps) are :mod:`attnx.interp`; the server passes its own batcher as the source.
 """
+
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.explain
+    raise ImportError(f"import attnx.explain, not {__name__}: the package is attnx (pip install -e .)")

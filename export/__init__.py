@@ -5,6 +5,9 @@ Public names: ``export_variant``, ``export_encoder``, ``ExportResult``, ``to_fp1
 (variants declare theirs with :mod:`attnx.models.onnx_ops`).
 """
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.export
+    raise ImportError(f"import attnx.export, not {__name__}: the package is attnx (pip install -e .)")
+
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.describe import describe_model
 from attnx.export.exporter import DEFAULT_OPTIONS, LOWERINGS, ExportResult, export_encoder, export_variant

@@ -19,6 +19,9 @@ use, so ``import attnx.interp`` loads none of them.
 
 from __future__ import annotations
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.interp
+    raise ImportError(f"import attnx.interp, not {__name__}: the package is attnx (pip install -e .)")
+
 import importlib
 
 _LAZY = {

@@ -5,6 +5,9 @@ A variant is one file (``mha``, ``cultural``, ``metaphor``, ``maw``, ``smal``) t
 block and stack in ``encoder``, the builders in ``build``.
 """
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.models
+    raise ImportError(f"import attnx.models, not {__name__}: the package is attnx (pip install -e .)")
+
 from attnx.models.spec import VARIANTS, VariantSpec, get_spec, register, variant_names  # noqa: I001
 from attnx.models import mha, cultural, metaphor, maw, smal  # noqa: F401  (each registers its spec)
 from attnx.models.attention import attention_path, reference

@@ -15,6 +15,9 @@ Nothing here names a variant: exact outputs, their decision margins and toleranc
 variants' specs (:class:`attnx.models.spec.VariantSpec`).
 """
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.parity
+    raise ImportError(f"import attnx.parity, not {__name__}: the package is attnx (pip install -e .)")
+
 from attnx.parity.cases import Case, ParityDataLoader, ParityError, default_cases, parse_cases
 from attnx.parity.check import LOWERINGS, find_engine_for, load_reference, onnx_for_engine, run_check
 from attnx.parity.compare import (

@@ -20,6 +20,9 @@ build`` / ``make plugins``), :mod:`~attnx.plugins.locate` (:func:`library_path`:
 
 from __future__ import annotations
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.plugins
+    raise ImportError(f"import attnx.plugins, not {__name__}: the package is attnx (pip install -e .)")
+
 from .builder import (
     DEFAULT_ARCHS,
     ENTRY_POINTS,

@@ -5,7 +5,9 @@ when the package directory is not a writable checkout)."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
+from importlib import metadata
 from pathlib import Path
 
 LIBRARY_NAME = "libattnx_plugins.so"
@@ -20,8 +22,12 @@ def source_dir() -> Path:
 
 
 def _is_checkout() -> bool:
-    # A source checkout (editable install) has pyproject.toml one level up and a writable plugins/.
-    return (_SOURCE_DIR.parent / "pyproject.toml").is_file() and os.access(_SOURCE_DIR, os.W_OK)
+    # An editable install (PEP 610's direct_url.json says so) builds into its own plugins/ when it may write there.
+    try:
+        direct_url = json.loads(metadata.distribution("attnx").read_text("direct_url.json") or "{}")
+    except metadata.PackageNotFoundError:
+        return False
+    return bool(direct_url.get("dir_info", {}).get("editable")) and os.access(_SOURCE_DIR, os.W_OK)
 
 
 def cache_dir() -> Path:

@@ -21,6 +21,9 @@ builds the model without its pretrained weights, each bound to its tensor in the
 
 from __future__ import annotations
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.pretrained
+    raise ImportError(f"import attnx.pretrained, not {__name__}: the package is attnx (pip install -e .)")
+
 import logging
 import os
 from pathlib import Path

@@ -30,6 +30,9 @@ Public names (see docs/embedding.md for a service embedding them):
   the ``serve`` extra.
 """
 
+if not __name__.startswith("attnx."):  # one file, one module: src/attnx links this folder as attnx.runtime
+    raise ImportError(f"import attnx.runtime, not {__name__}: the package is attnx (pip install -e .)")
+
 from attnx.runtime.core.encode import TextModel
 from attnx.runtime.core.layout import BatchLayout
 from attnx.runtime.core.session import InputError, Session, TensorSpec, load

@@ -4,17 +4,16 @@ The contracts live in pyproject.toml (``[tool.importlinter]``): each package imp
 below it (siblings written ``a | b`` not each other), function-local imports included, and serving
 (runtime, explain, deploy) never imports torch or transformers.
 
-grimp, import-linter's graph builder, reads a package from its folder; attnx maps its subpackages
-onto top-level folders (pyproject's ``package-dir``), so the sources are first copied into a
-temporary folder laid out as installed (``attnx/models/...``) and ``lint-imports`` runs there, in a
-fresh interpreter whose ``sys.path`` starts at that folder.
+grimp, import-linter's graph builder, reads the package from ``src/attnx`` as it is in the checkout
+(each top-level folder is linked there, issue 47). The probes, which must add a module, run on an
+overlay: a temporary ``attnx`` whose entries link to the checkout's, the probed package a folder of
+links plus the probe.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,17 +29,22 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
 
-def installed_layout(dest: Path) -> Path:
-    """The package's Python sources under ``dest`` as pip installs them (``package-dir`` applied)."""
-    for package, folder in CONFIG["tool"]["setuptools"]["package-dir"].items():
-        src = ROOT / folder
-        for path in src.rglob("*.py"):
-            rel = path.relative_to(src)
-            if "__pycache__" in rel.parts or "build" in rel.parts:
-                continue
-            target = dest.joinpath(*package.split("."), rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, target)
+SRC = ROOT / "src"
+
+
+def overlay(dest: Path, *probed: str) -> Path:
+    """A package tree under ``dest`` that reads the checkout's files through links, with real folders for
+    the ``probed`` packages (``attnx/models``: links to each entry) so a probe module can be added there."""
+    package = dest / "attnx"
+    package.mkdir(parents=True)
+    for entry in (SRC / "attnx").iterdir():
+        if entry.name not in probed and entry.name != "__pycache__":
+            (package / entry.name).symlink_to(entry.resolve())
+    for name in probed:
+        (package / name).mkdir()
+        for entry in (SRC / "attnx" / name).resolve().iterdir():
+            if entry.name != "__pycache__":
+                (package / name / entry.name).symlink_to(entry)
     return dest
 
 
@@ -54,13 +58,8 @@ def lint_imports(tree: Path) -> tuple[int, str]:
     return run.returncode, run.stdout + run.stderr
 
 
-@pytest.fixture()
-def tree(tmp_path) -> Path:
-    return installed_layout(tmp_path / "src")
-
-
-def test_every_package_imports_only_the_layers_below_it(tree):
-    status, report = lint_imports(tree)
+def test_every_package_imports_only_the_layers_below_it():
+    status, report = lint_imports(SRC)
     assert status == 0, report
     for name in ("attnx's packages import only the layers below them",
                  "Serving and the explain page never import torch or transformers"):
@@ -68,8 +67,9 @@ def test_every_package_imports_only_the_layers_below_it(tree):
     assert "Contracts: 2 kept, 0 broken." in report, report
 
 
-def test_an_upward_import_inside_a_function_is_reported(tree):
+def test_an_upward_import_inside_a_function_is_reported(tmp_path):
     """The check can fail: a model module that imports the runtime, only when a function runs."""
+    tree = overlay(tmp_path, "models")
     (tree / "attnx" / "models" / "_layer_probe.py").write_text(
         "def probe():\n    from attnx.runtime.core.session import load\n\n    return load\n")
     status, report = lint_imports(tree)
@@ -79,9 +79,10 @@ def test_an_upward_import_inside_a_function_is_reported(tree):
     assert "attnx.models._layer_probe -> attnx.runtime.core.session (l.2)" in report, report
 
 
-def test_a_cycle_between_siblings_and_torch_in_serving_are_reported(tree):
+def test_a_cycle_between_siblings_and_torch_in_serving_are_reported(tmp_path):
     """Independent siblings stay independent (parity may not import deploy), and a function-local torch
     import in the runtime breaks the serving contract."""
+    tree = overlay(tmp_path, "parity", "runtime")
     (tree / "attnx" / "parity" / "_layer_probe.py").write_text("import attnx.deploy.loadtest\n")
     (tree / "attnx" / "runtime" / "_layer_probe.py").write_text("def probe():\n    import torch\n\n    return torch\n")
     status, report = lint_imports(tree)
@@ -92,7 +93,8 @@ def test_a_cycle_between_siblings_and_torch_in_serving_are_reported(tree):
     assert "attnx.runtime._layer_probe -> torch (l.2)" in report, report
 
 
-def test_a_new_package_must_be_given_a_layer(tree):
+def test_a_new_package_must_be_given_a_layer(tmp_path):
+    tree = overlay(tmp_path)
     (tree / "attnx" / "newstep").mkdir()
     (tree / "attnx" / "newstep" / "__init__.py").write_text("")
     status, report = lint_imports(tree)

@@ -16,10 +16,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi
-for sub in models explain interp pretrained export plugins engine parity runtime deploy cli; do
-    ln -sfn "../$sub" "attnx/$sub"  # attnx.<sub> -> <sub>/ as pyproject's package-dir maps it, no install
-done
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src  # the path an editable install writes: no install here
 
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2 t0=$SECONDS

@@ -42,7 +42,8 @@ from filelock import FileLock
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 #: Packages whose code an export depends on: the layers at and below attnx.export (pyproject.toml's contract).
-EXPORT_PACKAGES = ("attnx", "models", "explain", "plugins", "pretrained", "export")
+EXPORT_PACKAGES = ("models", "explain", "plugins", "pretrained", "export")
+PACKAGE = ROOT / "src" / "attnx"
 MODEL_TEST_MODULES = ("toy_variant.py", "hf_folders.py")
 LIBRARIES = ("torch", "onnx", "onnxscript", "onnxruntime", "onnx-graphsurgeon", "transformers", "tokenizers",
              "sentence-transformers", "safetensors", "numpy")
@@ -60,7 +61,7 @@ def cache_root() -> Path:
 @functools.cache
 def code_hash() -> str:
     h = hashlib.sha256()
-    files = [p for pkg in EXPORT_PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    files = sorted(PACKAGE.glob("*.py")) + [p for pkg in EXPORT_PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
     files += [TESTS / name for name in MODEL_TEST_MODULES]
     for path in files:
         h.update(str(path.relative_to(ROOT)).encode())
