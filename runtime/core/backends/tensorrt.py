@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from attnx.contract import BATCH, SEQ, ContractError, TensorEntry, default_role, read_sidecar, sha256_file, verify_engine
+from attnx.contract import (BATCH, SEQ, ContractError, TensorEntry, contained, default_role, read_sidecar, sha256_file,
+                            verify_engine)
 from attnx.runtime.core.backends.onnxrt import onnx_io_specs
 from attnx.runtime.core.session import Session, TensorSpec, merge_specs
 
@@ -32,8 +33,12 @@ def engine_io_specs(path: Path, onnx_path: Path | None = None) -> tuple[list[Ten
     if isinstance(sidecar.get("inputs"), list) and isinstance(sidecar.get("outputs"), list):
         return _sidecar_specs(sidecar["inputs"], True), _sidecar_specs(sidecar["outputs"], False), sidecar
     candidates = [onnx_path] if onnx_path else []
-    if isinstance(sidecar.get("onnx"), str):
-        candidates.append(Path(sidecar["onnx"]))
+    for key in ("onnx_name", "onnx"):  # the sidecar is untrusted: its source file only inside the engine's folder
+        if isinstance(sidecar.get(key), str):
+            try:
+                candidates.append(contained(path.parent, sidecar[key], f"the sidecar's {key!r}"))
+            except ContractError:
+                pass  # built elsewhere (an absolute path of another machine) or hostile: not followed
     candidates.append(path.with_suffix(".onnx"))
     for c in candidates:
         if c is not None and c.is_file():
