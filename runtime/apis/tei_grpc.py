@@ -8,24 +8,24 @@ stream one source to the batcher, so it takes turns with other clients: ``Envelo
 is UNIMPLEMENTED (no SPLADE model). With several models, the gRPC metadata key ``model`` names one (an attnx
 extension). Every call goes through the server's envelope.
 
-The messages come from ``tei.proto`` beside this module (TEI's published interface, written out here), which
-protoc (grpcio-tools) compiles into a descriptor set when the gRPC port opens; the classes live in a private
-descriptor pool, so TEI's own generated classes can be imported in the same process.
+The messages come from ``tei.proto`` beside this module (TEI's published interface, written out here), read into
+protoc's descriptor by :mod:`~attnx.runtime.apis.proto_schema` when the gRPC port opens (no compiler at run time);
+the classes live in a private descriptor pool, so TEI's own generated classes can be imported in the same process.
 """
 
 from __future__ import annotations
 
 import functools
-import tempfile
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import descriptor_pool, message_factory
 from pydantic_core import PydanticCustomError
 
 from attnx.runtime.apis.encoding import encode, full_size, unit_rows
+from attnx.runtime.apis.proto_schema import file_descriptor
 from attnx.runtime.apis.registry import EMBED, LOGITS, RERANK, SCORE, TOKENIZE, input_error
 from attnx.runtime.apis.requests import text
 from attnx.runtime.apis.scoring import ranking
@@ -36,23 +36,15 @@ from attnx.runtime.wire.envelope import Call
 from attnx.runtime.wire.errors import TEI_GRPC_SHAPE, Kind, ProtocolError, bad_input
 from attnx.runtime.wire.http import Serving
 
-#: The API's interface definition (messages and services), compiled by protoc at first use.
+#: The API's interface definition (messages and services), read at first use.
 PROTO = Path(__file__).with_name("tei.proto")
 
 
 @functools.cache
 def api() -> tuple[dict[str, type], dict]:
     """``(message classes by name, service descriptors by name)`` of :data:`PROTO`."""
-    from grpc_tools import protoc
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tei.pb"
-        if protoc.main(["protoc", f"-I{PROTO.parent}", f"--descriptor_set_out={out}", PROTO.name]) != 0:
-            raise RuntimeError(f"protoc could not compile {PROTO}")
-        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     pool = descriptor_pool.DescriptorPool()
-    for proto in files.file:
-        pool.Add(proto)
+    pool.Add(file_descriptor(PROTO))
     file = pool.FindFileByName(PROTO.name)
     return ({name: message_factory.GetMessageClass(d) for name, d in file.message_types_by_name.items()},
             dict(file.services_by_name))
