@@ -65,9 +65,10 @@ class OverHttp:
 
     def __init__(self, session, config):
         from attnx.runtime import InferenceServer
+        from attnx.runtime.config import ServingConfig
         from attnx.deploy.loadtest import HttpTarget
 
-        self.server = InferenceServer({"maw": session}, port=0, batching=config).start()
+        self.server = InferenceServer({"maw": session}, ServingConfig.from_parts(batching=config, port=0)).start()
         self.batcher = self.server.models["maw"].batcher
         self.factory = HttpTarget(self.server.url, "maw").factory
 

@@ -206,7 +206,8 @@ def bench_decode(root: Path, rounds: int, threads: int) -> list[dict]:
 def bench_concurrency(root: Path, rounds: int, threads: int, streams: int = 8) -> list[dict]:
     import httpx
 
-    from attnx.runtime import BatcherConfig, load
+    from attnx.runtime import load
+    from attnx.runtime.config import ServingConfig
     from attnx.runtime.core.decoding import Decoder
     from attnx.runtime.core.sampling import SamplingParams
     from attnx.runtime.core.scheduler import GenerationScheduler
@@ -232,8 +233,8 @@ def bench_concurrency(root: Path, rounds: int, threads: int, streams: int = 8) -
             done.acquire()
         return n * NEW / (time.perf_counter() - start)
 
-    server = InferenceServer({"llama": path}, port=0, threads=threads,
-                             batching=BatcherConfig(max_batch_size=streams)) if (path.parent / "model.tokenizer").is_dir() \
+    server = InferenceServer({"llama": path}, ServingConfig(port=0, threads=threads, max_batch=streams)) \
+        if (path.parent / "model.tokenizer").is_dir() \
         else _server_with_ids(path, threads, streams)
     server.start()
 
@@ -281,7 +282,7 @@ def _server_with_ids(path: Path, threads: int, streams: int):
     """The bench folders have no tokenizer: serve with a minimal byte-level one (prompts go in as token ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from attnx.runtime import BatcherConfig
+    from attnx.runtime.config import ServingConfig
     from attnx.runtime.server import InferenceServer
 
     tok_dir = path.parent / "bench-tokenizer"
@@ -292,8 +293,8 @@ def _server_with_ids(path: Path, threads: int, streams: int):
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.decoder = decoders.WordPiece()
         tok.save(str(tok_dir / "tokenizer.json"))
-    return InferenceServer({"llama": path}, port=0, threads=threads, tokenizers={None: tok_dir},
-                           batching=BatcherConfig(max_batch_size=streams))
+    return InferenceServer({"llama": path}, ServingConfig(port=0, threads=threads, max_batch=streams),
+                           tokenizers={None: tok_dir})
 
 
 # ----------------------------------------------------------------------------- variants

@@ -6,8 +6,9 @@
 
 Each replica builds an :class:`attnx.runtime.InferenceServer` (the models, their batchers, the KServe
 v2 / OpenAI / TEI / rerank routes) and Ray's proxy hands it HTTP requests through the server's ASGI
-app; uvicorn and gRPC are not started in the replica. Keyword arguments other than Ray's go to
-``InferenceServer`` (``batching``, ``limits``, ``device``, ``threads``, ``api_key``, ...).
+app; uvicorn and gRPC are not started in the replica. Keyword arguments other than Ray's are the replica's
+:class:`~attnx.runtime.config.ServingConfig` (its fields by name: ``max_batch``, ``device``, ``threads``,
+``api_key``, ...; or the layers' values ``batching``, ``limits``: ``ServingConfig.from_parts``).
 
 Metrics. Ray's proxy sends ``GET /metrics`` to one replica or another, so a Prometheus scraping it
 would see counters jump between replicas. Each replica therefore copies its attnx metrics into Ray's
@@ -84,8 +85,9 @@ def _replica_class():
 
         def __init__(self, models: Mapping[str, Any], server_options: dict, metrics_interval_s: float):
             from attnx.runtime import InferenceServer
+            from attnx.runtime.config import ServingConfig
 
-            self.server = InferenceServer(dict(models), port=0, **server_options)
+            self.server = InferenceServer(dict(models), ServingConfig.from_parts(port=0, **server_options))
             self.metrics = RayMetrics(self.server.metrics.registry)
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._copy_metrics, args=(metrics_interval_s,),
@@ -112,7 +114,7 @@ def attnx_app(models: Mapping[str, str | os.PathLike], *, num_replicas: int | No
               metrics_interval_s: float = 5.0, **options: Any):
     """A Ray Serve application (``serve.run`` it) of ``models`` (``{name: model file}``, as ``attnx
     serve`` takes them) on ``num_replicas`` replicas. ``options``: :data:`DEPLOYMENT_OPTIONS` go to
-    ``serve.deployment`` (default: one CPU per replica), the rest to each replica's ``InferenceServer``."""
+    ``serve.deployment`` (default: one CPU per replica), the rest to each replica's serving config."""
     from ray import serve
 
     deployment = {k: options.pop(k) for k in DEPLOYMENT_OPTIONS if k in options}

@@ -25,15 +25,17 @@ from attnx.runtime.apis.encoding import Dimensions
 from attnx.runtime.apis.generation import GenerationModel, is_generator
 from attnx.runtime.apis.registry import ModelRegistry, ServedModel
 from attnx.runtime.apis.requests import openapi_schemas
-from attnx.runtime.core.batcher import BatcherConfig, DynamicBatcher
+from attnx.runtime.config import ServingConfig
+from attnx.runtime.core.batcher import DynamicBatcher
 from attnx.runtime.core.chat import Renderer
-from attnx.runtime.core.session import Session, load
+from attnx.runtime.core.loading import load
+from attnx.runtime.core.session import Session
 from attnx.runtime.core.text import TextTokenizer, prepare_text_model
 from attnx.runtime.wire.auth import ApiKey, ApiKeyMiddleware, GrpcApiKeyInterceptor
 from attnx.runtime.wire.envelope import Envelope
 from attnx.runtime.wire.http import Serving, create_app
-from attnx.runtime.wire.http_guard import HttpLimits, protocol_class
-from attnx.runtime.wire.limits import ByteBudget, Limits, Workers
+from attnx.runtime.wire.http_guard import protocol_class
+from attnx.runtime.wire.limits import ByteBudget, Workers
 from attnx.runtime.wire.metrics import ServerMetrics
 
 #: Protocol extensions we implement (Triton names).
@@ -93,44 +95,36 @@ class _QuietExitServer(uvicorn.Server):
 class InferenceServer:
     """Models + the request path + uvicorn, runnable in the foreground or a background thread.
 
-    >>> server = InferenceServer({"encoder": "attnx-out/model.onnx"}, port=0)
+    >>> server = InferenceServer({"encoder": "attnx-out/model.onnx"}, ServingConfig(port=0))
     >>> server.start()          # background thread; returns when it accepts connections
     >>> server.url              # 'http://127.0.0.1:43817'
     >>> server.stop()           # graceful: in-flight requests finish first
 
-    ``models``: names -> model files or loaded sessions (with-past exports generate text). ``port=0`` takes a
-    free port (bound here: no race); ``grpc_port`` (0: any) adds KServe's and TEI's gRPC services.
-    ``tokenizers``: model names (or ``None``: every model) -> a tokenizer folder, for files that carry none;
-    ``axes`` (:class:`~attnx.runtime.core.axes.AxisFlags`) names axes the file does not. ``on_warning`` hears
-    start-up warnings (default: the ``attnx.serve`` logger). ``dimensions``
-    (:class:`~attnx.runtime.apis.encoding.Dimensions`): which embedders may be cut shorter. ``api_key``: every
-    route but the health checks then needs ``Authorization: Bearer KEY`` (an empty key is refused).
-    ``http_limits`` (:class:`~attnx.runtime.wire.http_guard.HttpLimits`) bounds each connection's request head.
+    ``models``: names -> model files or loaded sessions (with-past exports generate text). ``config``
+    (:class:`~attnx.runtime.config.ServingConfig`, default ``attnx serve``'s): every setting; ``port=0`` takes a
+    free port (bound here: no race). Per model, beside it: ``tokenizers`` (model names, or ``None``: every model
+    -> a tokenizer folder, for files that carry none), ``axes`` (:class:`~attnx.runtime.core.axes.AxisFlags`:
+    axes the file does not name), ``dimensions`` (:class:`~attnx.runtime.apis.encoding.Dimensions`: which
+    embedders may be cut shorter). ``on_warning`` hears start-up warnings (default: the ``attnx.serve`` logger).
     :attr:`app` is the ASGI app (Ray Serve and other hosts mount it).
     """
 
-    def __init__(self, models: Mapping[str, str | os.PathLike | Session], *, host: str = "127.0.0.1",
-                 port: int = 8000, grpc_port: int | None = None, batching: BatcherConfig | None = None,
-                 limits: Limits | None = None, device: str = "auto", threads: int | None = None,
-                 graceful_timeout_s: float = 30.0, log_level: str = "warning",
-                 tokenizers: Mapping[str | None, str | os.PathLike] | None = None, axes=None,
-                 on_warning: Callable[[str], None] | None = None, api_key: str | None = None, dimensions=None,
-                 http_limits: HttpLimits | None = None):
+    def __init__(self, models: Mapping[str, str | os.PathLike | Session], config: ServingConfig | None = None, *,
+                 tokenizers: Mapping[str | None, str | os.PathLike] | None = None, axes=None, dimensions=None,
+                 on_warning: Callable[[str], None] | None = None):
         if not models:
             raise ValueError("no models to serve")
-        key = ApiKey(api_key) if api_key is not None else None  # an empty key is refused before anything loads
-        self.host, self.requested_port, self.graceful_timeout_s, self.log_level = host, port, graceful_timeout_s, \
-            log_level
-        self.http_limits = http_limits or HttpLimits()
-        self.batching = batching or BatcherConfig()
-        self.limits = limits or Limits()
+        self.config = config = config or ServingConfig()  # checked on construction: an empty API key is refused
+        key = ApiKey(config.api_key) if config.api_key is not None else None
+        self.host, self.requested_port, self.graceful_timeout_s = config.host, config.port, config.graceful_timeout_s
+        self.http_limits, self.batching, self.limits = config.http_limits, config.batching, config.limits
         self.metrics = ServerMetrics()
         self.registry = ModelRegistry()
         self.budget = ByteBudget(self.limits.decode_budget)  # shared by HTTP and gRPC
         self.warnings: list[str] = []
         self.chat = Renderer()
         try:
-            self._load(models, dict(tokenizers or {}), device, threads, axes)
+            self._load(models, dict(tokenizers or {}), axes)
         except BaseException:
             self.registry.close(drain=False)
             self.chat.close()
@@ -144,19 +138,20 @@ class InferenceServer:
         if key is not None:
             self.app.add_middleware(ApiKeyMiddleware, key=key)
         self.grpc = None
-        if grpc_port is not None:  # KServe v2 and TEI's tei.v1 on one port
+        if config.grpc_port is not None:  # KServe v2 and TEI's tei.v1 on one port
             from attnx.runtime.apis.kserve_grpc import Servicer
             from attnx.runtime.apis.tei_grpc import TeiService
             from attnx.runtime.wire.grpc import GrpcFrontEnd
 
-            self.grpc = GrpcFrontEnd([Servicer(self.state), TeiService(self.state)], self.limits, host=host,
-                                     port=grpc_port, interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
+            self.grpc = GrpcFrontEnd([Servicer(self.state), TeiService(self.state)], self.limits, host=self.host,
+                                     port=config.grpc_port, interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
         self._socket: socket.socket | None = None
         self._bound_port: int | None = None
         self._uvicorn = None
         self._thread: threading.Thread | None = None
 
-    def _load(self, models, tokenizers, device, threads, axes) -> None:
+    def _load(self, models, tokenizers, axes) -> None:
+        device, threads = self.config.device, self.config.threads
         for name, model in models.items():
             session = model if isinstance(model, Session) else load(model, device=device, threads=threads, axes=axes)
             folder = tokenizers.get(name, tokenizers.get(None))
@@ -166,6 +161,7 @@ class InferenceServer:
                 generator = GenerationModel.load(name, session, tokenizer, max_batch=self.batching.max_batch_size,
                                                  max_queue=self.batching.max_queue_size,
                                                  max_positions=self.limits.max_positions)
+                generator.configure(max_new_tokens=self.config.max_new_tokens)
                 self.registry.add(generator)
                 if generator.chat is not None:
                     self.chat.warm(name)  # its own render pool
@@ -237,7 +233,7 @@ class InferenceServer:
         return self
 
     def _make_uvicorn(self):
-        config = uvicorn.Config(self.app, log_level=self.log_level, access_log=False, lifespan="on",
+        config = uvicorn.Config(self.app, log_level=self.config.log_level, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=self.graceful_timeout_s,
                                 # Header size/count, idle heads and descriptors are bounded per connection.
                                 http=protocol_class(self.http_limits),

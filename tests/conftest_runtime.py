@@ -74,10 +74,13 @@ class GatedSession(Session):
 
 @contextlib.contextmanager
 def running_server(models, **kwargs) -> Iterator["InferenceServer"]:  # noqa: F821
-    """An InferenceServer on a free loopback port in a background thread, always stopped."""
+    """An InferenceServer on a free loopback port in a background thread, always stopped. ``kwargs``: the serving
+    config's fields or the layers' values (``batching=``, ``limits=``, ``http_limits=``), and what is per model."""
+    from attnx.runtime.config import ServingConfig
     from attnx.runtime.server import InferenceServer
 
-    server = InferenceServer(models, host="127.0.0.1", port=0, **kwargs).start()
+    beside = {k: kwargs.pop(k) for k in ("tokenizers", "axes", "dimensions", "on_warning") if k in kwargs}
+    server = InferenceServer(models, ServingConfig.from_parts(host="127.0.0.1", port=0, **kwargs), **beside).start()
     try:
         yield server
     finally:

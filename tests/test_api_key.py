@@ -178,11 +178,12 @@ def test_an_unknown_models_open_ready_route_names_no_served_model(server):
 def test_an_empty_api_key_is_refused_in_one_line():
     """Issue 32: ``--api-key ''`` or ``ATTNX_API_KEY=`` (set, empty) would serve every route open: refused, in the
     library and by the CLI (one line, before any model loads)."""
+    from attnx.runtime.config import ServingConfig
     from attnx.runtime.server import InferenceServer
 
     model = exports.minilm().path
     with pytest.raises(ValueError, match="the API key is empty"):
-        InferenceServer({"minilm": model}, port=0, api_key="")
+        InferenceServer({"minilm": model}, ServingConfig(api_key=""))
     for args, env in ((["--api-key", ""], {}), ([], {auth.ENV_VAR: ""}), (["--api-key", "  "], {})):
         one_line_error(attnx("serve", f"minilm={model}", "--port", "0", *args, env=env), "the API key is empty",
                        alone=True)

@@ -53,7 +53,7 @@ def test_a_damaged_engine_is_refused_at_load_in_one_line(engines, tmp_path, dama
             shutil.copy(sidecar_path(a), sidecar_path(bad))
     words = ("declares", "rebuild") if damage == "truncated-no-sidecar" else ("sha256 does not match", "rebuild")
     with pytest.raises(ContractError, match=words[0]):
-        InferenceServer({"m": bad}, port=0)
+        InferenceServer({"m": bad})
     with pytest.raises(ContractError, match=words[0]):
         TextModel(bad)
     one_line_error(serve_cli(bad, cwd=tmp_path), "model.engine", *words)
@@ -114,7 +114,7 @@ def test_tampered_metadata_is_refused_at_load_in_one_line(minilm, tmp_path, case
     change, message = TAMPERED[case]
     bad = tampered(minilm, tmp_path / "export", change)
     with pytest.raises(ContractError, match=message.split(" ")[0]) as info:
-        InferenceServer({"m": bad}, port=0)
+        InferenceServer({"m": bad})
     assert message in str(info.value) and "\n" not in str(info.value)
     with pytest.raises(ContractError, match=message.split(" ")[0]):
         TextModel(bad)

@@ -368,8 +368,8 @@ def test_chat_template_option_gives_a_template_to_a_model_without_one(server, cl
         _chat_template_files([f"bare={tmp_path / 'missing.jinja'}"], files)
     (tmp_path / "broken.jinja").write_text("{% for %}")
     with pytest.raises(UserError, match="does not compile"):
-        _configure_generators(server, None, _chat_template_files([f"bare={tmp_path / 'broken.jinja'}"], files))
-    _configure_generators(server, None, _chat_template_files([f"bare={file}"], files))
+        _configure_generators(server, _chat_template_files([f"bare={tmp_path / 'broken.jinja'}"], files))
+    _configure_generators(server, _chat_template_files([f"bare={file}"], files))
     out = client.chat.completions.create(model="bare", messages=MESSAGES, max_tokens=2, temperature=0)
     tokens = httpx.post(f"{server.url}/tokenize", json={"model": "bare", "messages": MESSAGES}).json()
     assert out.usage.prompt_tokens == tokens["count"]

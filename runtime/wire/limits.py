@@ -48,27 +48,12 @@ class JsonBound(NamedTuple):
 
 @dataclass
 class Limits:
-    """What one request may ask of the server.
-
-    - ``max_body_bytes``: the HTTP body (after decompression) or gRPC message, default 64 MiB.
-    - ``body_timeout_s``, ``min_body_rate``: an HTTP body must arrive within ``body_timeout_s`` seconds (default 10)
-      plus one second per ``min_body_rate`` bytes received (default 16 KiB/s; None: a total deadline of
-      ``body_timeout_s``); a slower one is answered 408 and its connection closed.
-    - ``max_tensor_elements``: elements in one tensor (checked on the declared shape, before any allocation), default
-      16 Mi.
-    - ``max_request_elements``: summed over a request's inputs, default 32 Mi.
-    - ``max_seq``: longest ``seq`` accepted (None: the model's profile max if it declares one, else unlimited).
-    - ``max_texts``: strings in one text request (inputs of an OpenAI or TEI embedding request), default 1024.
-    - ``max_messages``: messages in one chat request, default 2048 (OpenAI's own limit).
-    - ``max_request_tokens``: tokens summed over one text request's texts, after tokenising and truncation, default
-      300,000 (OpenAI's own per-request limit); over it is a 413. Also the most token ids a tei.v1 ``Decode`` takes.
-    - ``max_decode_bytes``: bytes of big request bodies being read and decoded at once, summed over requests (default:
-      the larger of ``max_body_bytes`` and 64 MiB; small bodies have a reserve of their own:
-      :mod:`attnx.runtime.wire.budget`); a chunk that must wait for room waits up to ``decode_wait_s`` seconds,
-      then the request is refused as overloaded.
-
-    - ``max_positions``: generating models: most positions (prompt + generated tokens) per sequence, which bounds
-      the KV cache (None: the model's own).
+    """What one request may ask of the server: the wire's part of :class:`~attnx.runtime.config.ServingConfig`,
+    whose field help says what each limit means (``max_body_bytes`` is set by ``max_body_mb``, ``max_texts`` by
+    ``max_inputs``, ``min_body_rate`` by ``min_body_rate_kb``, ``max_decode_bytes`` by ``max_decode_mb``; the others
+    by their own names). Here in bytes and counts; None: no limit (``max_seq``: the model's profile max,
+    ``max_positions``: the model's own, ``max_decode_bytes``: the larger of ``max_body_bytes`` and 64 MiB,
+    ``min_body_rate``: ``body_timeout_s`` is a total deadline).
 
     Limits that would refuse every request (a body limit or max seq below 1) are refused here.
     """
