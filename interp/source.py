@@ -45,7 +45,7 @@ class SessionSource(Source):
 
 
 def _onnx_source(path: Path) -> SessionSource:
-    from attnx.runtime.core.session import load
+    from attnx.runtime.core.loading import load
 
     info = ModelInfo.read(path)
     if info is None:

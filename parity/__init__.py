@@ -4,6 +4,8 @@
 - :mod:`~attnx.parity.runners`: the PyTorch reference, ONNX Runtime and engine runners;
 - :mod:`~attnx.parity.compare`: tolerances (per precision; variants override) and the tie-aware compare function;
 - :mod:`~attnx.parity.report`: comparisons, the verdict, the JSON report;
+- :mod:`~attnx.parity.reference`: the PyTorch reference of an export (:func:`load_reference`);
+- :mod:`~attnx.parity.engines`: which engine goes with a file, and whether it is intact and runs here;
 - :mod:`~attnx.parity.check`: :func:`run_check`, which puts them together;
 - :mod:`~attnx.parity.render`: what ``attnx check`` prints for each kind of report;
 - pretrained exports (real models): :mod:`~attnx.parity.text_cases` (real texts through the export's
@@ -19,7 +21,7 @@ if not __name__.startswith("attnx."):  # one file, one module: src/attnx links t
     raise ImportError(f"import attnx.parity, not {__name__}: the package is attnx (pip install -e .)")
 
 from attnx.parity.cases import Case, ParityDataLoader, ParityError, default_cases, parse_cases
-from attnx.parity.check import LOWERINGS, find_engine_for, load_reference, onnx_for_engine, run_check
+from attnx.parity.check import LOWERINGS, run_check
 from attnx.parity.compare import (
     DEFAULT_TOLERANCES,
     EXACT,
@@ -29,8 +31,10 @@ from attnx.parity.compare import (
     resolve_tolerances,
     tie_margins,
 )
+from attnx.parity.engines import find_engine_for, onnx_for_engine
 from attnx.parity.original import plan_original
 from attnx.parity.pretrained import run_text_check
+from attnx.parity.reference import load_reference
 from attnx.parity.report import Comparison, ParityReport, summarize
 from attnx.parity.runners import MARGIN_PREFIX, REFERENCE, EngineRunner, TorchReferenceRunner, margins, onnxrt_runner
 from attnx.parity.text_cases import default_texts

@@ -8,14 +8,13 @@ and with the engine where it can run (a GPU of the architecture it was built for
 line says why and the rest is checked). ``Comparator.compare_accuracy`` with the tie-aware compare
 function (:mod:`attnx.parity.compare`); relative errors are relative to the reference.
 
-Pretrained exports go to :mod:`attnx.parity.pretrained` (real text, the original model). An engine
-is never taken on trust: one without a sidecar must be intact (its plan header's size) and able to
-run here, and one that should run here must load (:func:`open_engine`).
+Pretrained exports go to :mod:`attnx.parity.pretrained` (real text, the original model), with-past ones to
+:mod:`attnx.parity.generation`. An engine is never taken on trust (:func:`attnx.parity.engines.open_engine`); the
+reference is :func:`attnx.parity.reference.load_reference`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -25,26 +24,15 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import attnx
-from attnx.contract import ContractError, ModelInfo, contained, read_sidecar, sha256_file, sidecar_path, verify_engine
-from attnx.engine import runner as engine_runner
+from attnx.contract import ContractError, ModelInfo, sha256_file
 from attnx.parity.cases import Case, ParityDataLoader, ParityError, check_in_profile, default_cases, parse_cases
 from attnx.parity.compare import TieAwareCompareFunc, TieTracker, main_outputs, resolve_tolerances, tie_margins
+from attnx.parity.engines import engine_profiles, open_engine
+from attnx.parity.reference import load_reference
 from attnx.parity.report import ParityReport, summarize
-from attnx.parity.runners import REFERENCE, EngineRunner, TorchReferenceRunner, onnxrt_runner
+from attnx.parity.runners import REFERENCE, TorchReferenceRunner, onnxrt_runner, quiet_polygraphy
 
 LOWERINGS = ("plugin", "rewrite")
-
-
-def load_reference(path: str | os.PathLike, source: str | os.PathLike | None = None):
-    """``(model with the export's weights, ModelInfo)`` for an attnx export
-    (:func:`attnx.export.reference.load_reference`; ``source``: a pretrained export's source folder where it
-    moved); set-up problems are :class:`ParityError` s."""
-    from attnx.export.reference import load_reference as rebuild
-
-    try:
-        return rebuild(path, source)
-    except ContractError as e:
-        raise ParityError(str(e)) from None
 
 
 def _other_lowering_file(model, info: ModelInfo, source: Path, folder: Path, weights_sha: str) -> tuple[Path, str]:
@@ -68,125 +56,6 @@ def _other_lowering_file(model, info: ModelInfo, source: Path, folder: Path, wei
                    save_weights=False, tokenizer=info.tokenizer)
     stamp.write_text(key + "\n")
     return path, other
-
-
-def onnx_for_engine(engine: str | os.PathLike) -> Path | None:
-    """The ONNX an engine was built from, as its sidecar names it (None without a sidecar or when the
-    file is gone). The sidecar is file contents: a path outside the engine's folder is refused."""
-    engine = Path(engine)
-    sidecar = read_sidecar(engine) if engine.is_file() else None
-    if not sidecar:
-        return None
-    names = [str(n) for n in (sidecar.get("onnx"), sidecar.get("onnx_name")) if n]
-    found = []
-    for name in names:
-        try:
-            found.append(contained(engine.parent, name, f"the ONNX named by {sidecar_path(engine).name}"))
-        except ContractError:
-            continue
-    if names and not found:
-        raise ParityError(f"{sidecar_path(engine).name} names its ONNX at {names[0]!r}, outside {engine.parent.resolve()}: "
-                          "refused (pass the ONNX file to check)")
-    return next((p for p in found if p.is_file()), None)
-
-
-def find_engine_for(model: Path) -> Path | None:
-    """``<stem>.engine`` beside ``model`` when its sidecar says it was built from this file."""
-    candidate = model.with_suffix(".engine")
-    if not candidate.is_file():
-        return None
-    try:
-        sidecar = read_sidecar(candidate)
-    except ValueError:
-        return None
-    if sidecar and sidecar.get("onnx_sha256") == sha256_file(model):
-        return candidate
-    return None
-
-
-@contextlib.contextmanager
-def quiet_polygraphy(verbose: bool):
-    from polygraphy.logger import G_LOGGER
-
-    saved = G_LOGGER.module_severity
-    try:
-        import onnxruntime as ort
-    except ImportError:  # pragma: no cover - a dependency
-        ort = None
-    ort_saved = 2  # ONNX Runtime's default (warning); it has no getter
-    if not verbose:
-        G_LOGGER.module_severity = G_LOGGER.CRITICAL
-        if ort is not None:
-            ort.set_default_logger_severity(3)  # its constant-folding warnings on fp16 graphs are noise here
-    try:
-        yield
-    finally:
-        G_LOGGER.module_severity = saved
-        if ort is not None:
-            ort.set_default_logger_severity(ort_saved)
-
-
-def engine_profiles(profiles: dict, sidecar: dict | None) -> dict:
-    """Cases must fit both the model's and the engine's profiles."""
-    out = dict(profiles)
-    for axis, rng in ((sidecar or {}).get("profiles") or {}).items():
-        if axis in out:
-            mine = out[axis]
-            out[axis] = [max(mine[0], rng[0]), min(max(mine[1], rng[0]), rng[2]), min(mine[2], rng[2])]
-        else:
-            out[axis] = list(rng)
-    return out
-
-
-def _plan_size_problem(engine: Path) -> str | None:
-    """Why an engine without a sidecar is visibly truncated: TensorRT-RTX plans (``vtrt``) record
-    their total size as a little-endian uint64 at byte 16 (measured with TensorRT-RTX 1.7)."""
-    size = engine.stat().st_size
-    with open(engine, "rb") as f:
-        head = f.read(24)
-    if head[:4] == b"vtrt" and len(head) == 24:
-        declared = int.from_bytes(head[16:24], "little")
-        if declared != size:
-            return f"its header declares {declared} bytes and the file has {size}"
-    elif len(head) < 24:
-        return f"it has only {size} bytes"
-    return None
-
-
-def open_engine(engine: Path, model_path: Path, model_sha: str, plugins) -> tuple[dict, dict | None, object]:
-    """Verify the engine and decide whether it runs here: (report entry, sidecar, runner or None).
-
-    An engine that cannot be verified (no sidecar) must run here, and one that should run here must
-    load: otherwise nothing about it is known, and the check says so instead of passing."""
-    sidecar = verify_engine(engine)
-    if sidecar is None:
-        problem = _plan_size_problem(engine)
-        if problem:
-            raise ParityError(f"{engine} is truncated or corrupt: {problem} (rebuild it with `attnx build-engine`)")
-    if sidecar is not None and sidecar.get("onnx_sha256") and sidecar["onnx_sha256"] != model_sha:
-        raise ParityError(f"{engine.name} was built from {sidecar.get('onnx_name', 'another file')} "
-                          f"(sha256 {sidecar['onnx_sha256'][:12]}), not from {model_path.name}: pass the ONNX "
-                          "it was built from, or rebuild the engine")
-    runnable, reason = engine_runner.runnable_here(sidecar)
-    if sidecar is None and not runnable:
-        raise ParityError(f"{engine.name} has no sidecar ({sidecar_path(engine).name}) to verify it against and "
-                          f"cannot run here ({reason}): nothing about it can be checked; rebuild it with `attnx "
-                          "build-engine` (which writes the sidecar), check it where it runs, or pass --no-engine")
-    entry = {"path": str(engine), "sidecar": sidecar is not None, "ran": False,
-             "target": (sidecar or {}).get("target"), "backend": (sidecar or {}).get("backend")}
-    runner = None
-    if runnable:
-        candidate = EngineRunner(engine, plugins=plugins)
-        try:
-            candidate.open()
-        except Exception as e:  # EngineUnavailable, a plugin library that does not load, ...
-            raise ParityError(f"{engine.name} should run on this machine but does not load: "
-                              f"{' '.join(str(e).split())[:300]}") from None
-        runner = candidate
-        entry["ran"] = True
-    else:
-        entry["reason"] = reason
-    return entry, sidecar, runner
 
 
 def _compare_funcs(tracker: TieTracker, tol: Mapping[str, tuple]) -> list:

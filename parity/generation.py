@@ -162,11 +162,11 @@ def _drive(decoder, prompts: Sequence[list[int]], forced: list[list[int]] | None
 def run_generation_check(model_path: Path, model, info: ModelInfo, *, engine=None, texts: Sequence[str] | None = None,
                          original=None, plugins=True, progress=None, steps: int = DEFAULT_STEPS) -> GenerationReport:
     """Check a with-past export (``model``: its reference). Raises :class:`ParityError` for set-up problems."""
-    from attnx.parity.check import open_engine
+    from attnx.parity.engines import open_engine
     from attnx.parity.original import plan_original
     from attnx.parity.text_cases import default_texts
     from attnx.runtime.core.decoding import Decoder
-    from attnx.runtime.core.session import load
+    from attnx.runtime.core.loading import load
     from attnx.runtime.core.text import TextTokenizer
 
     started = time.monotonic()

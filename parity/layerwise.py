@@ -163,7 +163,7 @@ def run_layerwise_check(model_path: Path, info: ModelInfo, reason: str, *, texts
     from attnx.parity.text_cases import default_texts
     from attnx.pretrained.sentences import SENTENCES
     from attnx.runtime.core.decoding import Decoder
-    from attnx.runtime.core.session import load
+    from attnx.runtime.core.loading import load
     from attnx.runtime.core.text import TextTokenizer
 
     started = time.monotonic()

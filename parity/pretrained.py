@@ -65,7 +65,8 @@ def run_text_check(model_path: Path, model, info: ModelInfo, *, engine=None, tex
     from polygraphy.comparator import Comparator
     from polygraphy.exception import PolygraphyException
 
-    from attnx.parity.check import engine_profiles, open_engine, quiet_polygraphy
+    from attnx.parity.engines import engine_profiles, open_engine
+    from attnx.parity.runners import quiet_polygraphy
     from attnx.parity.compare import tie_margins, variant_specs
 
     started = time.monotonic()

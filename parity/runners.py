@@ -8,10 +8,13 @@
 - :func:`onnxrt_runner`: ONNX Runtime (CPU) on a file.
 - :class:`EngineRunner`: a TensorRT engine through :class:`attnx.engine.Engine` (needs the GPU it
   was built for).
+
+:func:`quiet_polygraphy` keeps Polygraphy's and ONNX Runtime's logging quiet while they run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import OrderedDict
@@ -78,7 +81,7 @@ class TorchReferenceRunner(_base_runner()):
 
     @classmethod
     def from_onnx(cls, path: str | os.PathLike, name: str = REFERENCE) -> "TorchReferenceRunner":
-        from attnx.parity.check import load_reference
+        from attnx.parity.reference import load_reference
 
         model, info = load_reference(path)
         return cls(model, info.inputs, info.output_names, name=name)
@@ -117,6 +120,29 @@ class TorchReferenceRunner(_base_runner()):
             outputs[MARGIN_PREFIX + name] = values
         self.inference_time = time.perf_counter() - start
         return outputs
+
+
+@contextlib.contextmanager
+def quiet_polygraphy(verbose: bool):
+    """Polygraphy's and ONNX Runtime's logging silenced while runners run, unless ``verbose``."""
+    from polygraphy.logger import G_LOGGER
+
+    saved = G_LOGGER.module_severity
+    try:
+        import onnxruntime as ort
+    except ImportError:  # pragma: no cover - a dependency
+        ort = None
+    ort_saved = 2  # ONNX Runtime's default (warning); it has no getter
+    if not verbose:
+        G_LOGGER.module_severity = G_LOGGER.CRITICAL
+        if ort is not None:
+            ort.set_default_logger_severity(3)  # its constant-folding warnings on fp16 graphs are noise here
+    try:
+        yield
+    finally:
+        G_LOGGER.module_severity = saved
+        if ort is not None:
+            ort.set_default_logger_severity(ort_saved)
 
 
 def onnxrt_runner(path: Path, name: str):

@@ -5,8 +5,8 @@ What a folder may hold, and what attnx reads of it:
 
 - a ``.gguf`` file instead (or a folder holding one): read as a weightless folder of its config and tokenizer,
   the weights read from the file tensor by tensor (:mod:`attnx.pretrained.gguf`);
-- ``config.json``: its numbers are checked against sane limits first (one line each, before
-  anything is built), then read through ``transformers.AutoConfig`` (``local_files_only``, never
+- ``config.json``: its numbers are checked against sane limits first (:mod:`attnx.pretrained.limits`: one line
+  each, before anything is built), then read through ``transformers.AutoConfig`` (``local_files_only``, never
   remote code: an ``auto_map`` is ignored, and :attr:`HFFolder.notes` says so);
 - weights: ``model.safetensors``, a sharded ``model.safetensors.index.json`` (every shard a file of
   the folder itself), or ``pytorch_model.bin`` (loaded with ``weights_only``: no pickled code runs);
@@ -30,21 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnx.pretrained.limits import check_limits
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "vocab.json", "merges.txt", "tokenizer.model", "sentencepiece.bpe.model", "spiece.model",
                    "added_tokens.json", "chat_template.jinja")
 POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
                  "pooling_mode_lasttoken": "lasttoken"}
-#: config.json keys (any of a family's names for them) and the largest value attnx accepts.
-LIMITS = {("num_hidden_layers", "n_layer", "n_layers", "num_layers"): 1024,
-          ("hidden_size", "n_embd", "d_model", "dim"): 65536,
-          ("num_attention_heads", "n_head", "n_heads"): 1024,
-          ("num_key_value_heads",): 1024,
-          ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim"): 1 << 20,
-          ("vocab_size",): 1 << 23,
-          ("max_position_embeddings", "n_positions"): 1 << 24,
-          ("head_dim",): 4096}
 #: Integer tensors a checkpoint may hold (index buffers), by name ending.
 _INTEGER_OK = ("position_ids", "token_type_ids", "_ids")
 _NO_LIMIT = 1_000_000  # transformers' "no limit" placeholder for model_max_length is far above this
@@ -152,20 +145,6 @@ def read_folder(path: str | os.PathLike) -> HFFolder:
     config.pop("auto_map", None)
     tokenizer_files = [inside(folder, folder / n) for n in TOKENIZER_FILES if (folder / n).is_file()]
     return HFFolder(folder, config, _sentence_transformer(folder), tokenizer_files, weight_files(folder), notes)
-
-
-def check_limits(raw: dict, where: Path) -> None:
-    """Every size in config.json a positive integer under attnx's limit (one line naming the key)."""
-    for keys, limit in LIMITS.items():
-        for key in keys:
-            if key not in raw or raw[key] is None:
-                continue
-            value = raw[key]
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
-                raise ValueError(f"{where}: {key} must be an integer in [1, {limit}], got {value!r}")
-    for key in ("text_config",):  # composite configs nest the text model's sizes
-        if isinstance(raw.get(key), dict):
-            check_limits(raw[key], where)
 
 
 def _is_snapshot(path: Path) -> bool:

@@ -7,7 +7,8 @@ without weights.
 The folder (:func:`as_folder`, in attnx's cache: :func:`cache_root`) holds what transformers' own GGUF
 loaders read from the file's metadata, no tensor dequantized: ``config.json`` (with ``architectures`` set from
 the causal LM class transformers maps it to, and without the ``quantization_config`` of type gguf it keeps),
-``generation_config.json``, the tokenizer files and ``chat_template.jinja``; and :data:`MARKER`,
+``generation_config.json``, the tokenizer files and ``chat_template.jinja``; and the marker
+(:mod:`attnx.pretrained.gguf_marker`),
 ``{"gguf": <absolute path>, "size": <bytes>, "mtime_ns": <int>}``, naming the file the weights stay in. The
 export, ``attnx check`` (transformers' reference) and ``attnx generate`` read the weights from the GGUF one
 tensor at a time through :class:`attnx.pretrained.gguf_tensors.GgufSource` (what
@@ -20,7 +21,7 @@ the same bytes is used from elsewhere) and named after the file without its quan
 from it says what the export holds (fp32 unless ``--weights``/``--fp16`` says otherwise), not the GGUF's blocks.
 
 A GGUF is data, not code: the ``gguf`` package reads its metadata through a memory map, tensors are read with
-``pread``. Its sizes are checked against :data:`attnx.pretrained.folder.LIMITS` before any tensor is read, the
+``pread``. Its sizes are checked against :data:`attnx.pretrained.limits.LIMITS` before any tensor is read, the
 file's tensors must fill transformers' model (names and sizes, from the tensor table), and any file
 transformers cannot read is one ``ValueError`` naming the file.
 """
@@ -36,9 +37,11 @@ from pathlib import Path
 
 import numpy as np
 
+# gguf_of re-exported: which GGUF a folder reads is asked of this module
+from attnx.pretrained.gguf_marker import MARKER, gguf_of, marker_of, read_marker, write_marker  # noqa: F401
+from attnx.pretrained.limits import check_limits
+
 SUFFIX = ".gguf"
-#: the file in a GGUF-backed folder that names its GGUF (see the module doc)
-MARKER = "attnx-gguf.json"
 #: bytes of the file hashed per read (the cache key is its full content)
 _CHUNK = 1 << 22
 #: the GGUF header's magic number
@@ -100,15 +103,15 @@ def as_folder(gguf: str | os.PathLike) -> Path:
     keyed = cache_root() / content_key(gguf)
     out = keyed / name
     if (out / "config.json").is_file() and (out / MARKER).is_file():
-        if _marker(out) != _marker_of(gguf):
-            _write_marker(out, gguf)  # the same bytes at another path (or touched): the weights are read there
+        if read_marker(out) != marker_of(gguf):
+            write_marker(out, gguf)  # the same bytes at another path (or touched): the weights are read there
         return out
     staging = keyed / f".{name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         _extract(gguf, staging)
-        _write_marker(staging, gguf)
+        write_marker(staging, gguf)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(staging, out)
     finally:
@@ -117,41 +120,6 @@ def as_folder(gguf: str | os.PathLike) -> Path:
         if old.name != name and not old.name.startswith(".") and (old / "model.safetensors").is_file():
             shutil.rmtree(old, ignore_errors=True)
     return out
-
-
-def gguf_of(folder: str | os.PathLike) -> Path | None:
-    """The GGUF a GGUF-backed folder reads its weights from; None for any other folder. One line if the file
-    is gone or changed since the folder was made from it."""
-    folder = Path(folder)
-    if not (folder / MARKER).is_file():
-        return None
-    marker = _marker(folder)
-    path = Path(str(marker.get("gguf", "")))
-    if not path.is_absolute() or not path.is_file():
-        raise FileNotFoundError(f"{folder}: its weights are in {path}, which is gone; export from the .gguf again")
-    if _marker_of(path) != marker:
-        raise ValueError(f"{folder}: {path} changed since this folder was made from it; export from the .gguf "
-                         "again")
-    return path
-
-
-def _marker_of(gguf: Path) -> dict:
-    stat = gguf.stat()
-    return {"gguf": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def _marker(folder: Path) -> dict:
-    try:
-        value = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{folder / MARKER}: unreadable ({e})") from None
-    return value if isinstance(value, dict) else {}
-
-
-def _write_marker(folder: Path, gguf: Path) -> None:
-    tmp = folder / f".{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(_marker_of(gguf)))
-    os.replace(tmp, folder / MARKER)
 
 
 def _one_line(e: BaseException) -> str:
@@ -163,7 +131,6 @@ def _extract(gguf: Path, out: Path) -> None:
     through transformers' GGUF loaders sharing one reader; the tensor table checked to fill the model."""
     import transformers
 
-    from attnx.pretrained.folder import check_limits
     from attnx.pretrained.gguf_tensors import GgufSource, causal_lm_class, reader_of, transformers_reading
 
     try:

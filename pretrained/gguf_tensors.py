@@ -33,7 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from attnx.pretrained.tensors import Blocks, TensorInfo
+from attnx.pretrained.gguf_marker import gguf_of
+from attnx.pretrained.limits import check_limits
+from attnx.pretrained.tensor_types import Blocks, TensorInfo
 
 #: the block types :meth:`GgufSource.blocks` carries over: ggml name -> bits per weight
 CARRIED = {"Q4_0": 4, "Q8_0": 8}
@@ -128,8 +130,6 @@ class GgufSource:
         import transformers
         from transformers import modeling_gguf_pytorch_utils as loader
 
-        from attnx.pretrained.folder import check_limits
-
         self.path = Path(path).expanduser()
         try:
             self._reader = reader if reader is not None else reader_of(self.path)
@@ -176,8 +176,6 @@ class GgufSource:
         """The source of a GGUF-backed folder (:func:`attnx.pretrained.gguf.as_folder`), with the folder's
         config; one line if its GGUF is gone or changed."""
         import transformers
-
-        from attnx.pretrained.gguf import gguf_of
 
         path = gguf_of(folder)
         if path is None:

@@ -18,44 +18,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-import numpy as np
+from attnx.pretrained.gguf_marker import MARKER
+from attnx.pretrained.tensor_types import Blocks, TensorInfo, TensorSource
 
-#: The file naming the GGUF a folder's weights come from (``{"gguf": path, "size": bytes, "mtime_ns": int}``).
-GGUF_POINTER = "attnx-gguf.json"
+#: The file naming the GGUF a folder's weights come from (:data:`attnx.pretrained.gguf_marker.MARKER`).
+GGUF_POINTER = MARKER
 #: safetensors dtype -> torch dtype name.
 _TORCH = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32",
           "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: tuple[int, ...]  # as transformers' model holds it (a Linear weight [out, in])
-    dtype: str  # the source's storage type: "F32" | "F16" | "BF16" | a GGUF type name ("Q4_0", "Q8_0", ...)
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """Weights already in MatMulNBits' layout, carried over without re-rounding."""
-
-    bits: int  # 4 or 8
-    block_size: int  # 32
-    data: np.ndarray  # uint8 [N, K // block_size, block_size * bits // 8] (N: the Linear weight's rows)
-    scales: np.ndarray  # float32 [N, K // block_size]
-    zero_points: np.ndarray | None  # packed uint8 zero points, or None for the default (8 at 4 bits, 128 at 8)
-
-
-class TensorSource(Protocol):
-    def infos(self) -> dict[str, TensorInfo]: ...
-
-    def read(self, name: str): ...  # torch.Tensor in fresh memory, the source's own float dtype
-
-    def blocks(self, name: str) -> Blocks | None: ...
-
-    def close(self) -> None: ...
 
 
 class SafetensorsSource:

@@ -35,7 +35,8 @@ if not __name__.startswith("attnx."):  # one file, one module: src/attnx links t
 
 from attnx.runtime.core.encode import TextModel
 from attnx.runtime.core.layout import BatchLayout
-from attnx.runtime.core.session import InputError, Session, TensorSpec, load
+from attnx.runtime.core.loading import load
+from attnx.runtime.core.session import InputError, Session, TensorSpec
 
 __all__ = ["load", "Session", "TensorSpec", "InputError", "DynamicBatcher", "BatchLayout", "BatcherConfig",
            "QueueFullError", "RequestTimeoutError", "BatcherClosedError", "InferenceServer", "TextModel"]

@@ -28,7 +28,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from attnx.runtime.core.layout import BatchLayout
-from attnx.runtime.core.session import InputError, Session, load
+from attnx.runtime.core.loading import load
+from attnx.runtime.core.session import InputError, Session
 from attnx.runtime.core.text import TextTokenizer, context_rows, prepare_text_model, text_feeds
 
 #: ``output_value`` names accepted besides the model's own output names (sentence-transformers' words).
@@ -113,7 +114,7 @@ class TextModel:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         single = isinstance(sentences, str)
-        texts = [sentences] if single else list(sentences)
+        texts = [sentences] if isinstance(sentences, str) else list(sentences)
         names = self._outputs_for(output_value)
         rows = self._run_texts(texts, names, batch_size, show_progress_bar, context or {})
         if output_value is None:
@@ -148,7 +149,7 @@ class TextModel:
         decoder = self.decoder
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("the prompt must be a non-empty string")
-        ids = self.tokenizer.tokenize([prompt], truncate=False)[0].ids
+        ids = self.tokenizer.tokenize([prompt], truncate=False)[0].ids.tolist()
         pieces = stream(decoder, self.tokenizer, ids, params, context)
         return pieces if details else (p.text for p in pieces if p.text)
 

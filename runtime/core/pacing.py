@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from attnx.runtime.wire.errors import overloaded, too_large
+from attnx.runtime.core.errors import overloaded, too_large
 
 #: A bucket must hold this share of a request's tokens before its rate is needed for the estimate.
 _MINOR_SHARE = 0.1

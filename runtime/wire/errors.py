@@ -1,7 +1,7 @@
 """One error taxonomy for every API, and one status table per wire shape: the only place a kind becomes a status.
 
-Everything the serving stack refuses is a :class:`ProtocolError`: a :class:`Kind`, a one-line message and, when
-there is one, the request field at fault (``param``). Overload carries ``Retry-After: 1``; what can never fit
+Everything the serving stack refuses is a :class:`ProtocolError` (:mod:`attnx.runtime.core.errors`): a :class:`Kind`,
+a one-line message and, when there is one, the request field at fault (``param``). Overload carries ``Retry-After: 1``; what can never fit
 (``too_large``) does not. ``too_many``: more inputs than ``--max-inputs`` (OpenAI 400, TEI 413);
 ``unprocessable``: a result JSON cannot carry (NaN in an output); ``body_timeout``: an HTTP body that
 arrived too slowly (408, and the connection is closed). The kind is the ``reason`` label of
@@ -10,55 +10,12 @@ arrived too slowly (408, and the connection is closed). The kind is the ``reason
 
 from __future__ import annotations
 
-import enum
 import json
 from dataclasses import dataclass
 from typing import Callable
 
-
-class Kind(str, enum.Enum):
-    BAD_INPUT = "bad_input"
-    EMPTY = "empty"
-    TOO_MANY = "too_many"
-    TOO_LARGE = "too_large"
-    UNPROCESSABLE = "unprocessable"
-    NOT_FOUND = "not_found"
-    UNAUTHENTICATED = "unauthenticated"
-    OVERLOADED = "overloaded"
-    TIMEOUT = "timeout"
-    BODY_TIMEOUT = "body_timeout"
-    SHUTTING_DOWN = "shutting_down"
-    UNIMPLEMENTED = "unimplemented"
-    CLIENT_GONE = "client_gone"
-    INTERNAL = "internal"
-
-
-class ProtocolError(Exception):
-    """A request the server refuses: its :class:`Kind`, a one-line message, the field at fault (``param``)."""
-
-    def __init__(self, kind: Kind, message: str, param: str | None = None):
-        message = " ".join(str(message).split())
-        super().__init__(message)
-        self.kind, self.message, self.param = Kind(kind), message, param
-
-    def __repr__(self) -> str:
-        return f"ProtocolError({self.kind.value}, {self.message!r})"
-
-
-def bad_input(message: str, param: str | None = None) -> ProtocolError:
-    return ProtocolError(Kind.BAD_INPUT, message, param)
-
-
-def too_large(message: str, param: str | None = None) -> ProtocolError:
-    return ProtocolError(Kind.TOO_LARGE, message, param)
-
-
-def not_found(message: str, param: str | None = None) -> ProtocolError:
-    return ProtocolError(Kind.NOT_FOUND, message, param)
-
-
-def overloaded(message: str) -> ProtocolError:
-    return ProtocolError(Kind.OVERLOADED, message)
+# The taxonomy lives in the core, which raises these too (it never imports the wire); re-exported for the wire and APIs.
+from attnx.runtime.core.errors import Kind, ProtocolError, bad_input, not_found, overloaded, too_large  # noqa: F401
 
 
 K = Kind
