@@ -55,9 +55,8 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
                                                            for o in meta["outputs"]) else None)
         configs.append((f"{model} @ {url}", b.HttpTarget(url, model, text=True, outputs=names).factory))
         batchers = []
-        from attnx.cli.serve_cmd import _specs_from_metadata
 
-        specs = _specs_from_metadata(meta)
+        specs = specs_from_metadata(meta)
     else:
         from attnx.runtime import DynamicBatcher, load
 
@@ -118,3 +117,26 @@ def bench_text(model: str | None, *, url: str | None, concurrency: int, duration
     if sum(r.ok for r in results) == 0:
         raise UserError(f"no request succeeded; errors: {[dict(r.errors) for r in results]}", code=1)
     return numbers
+
+
+def specs_from_metadata(meta: dict):
+    """TensorSpecs from KServe model metadata (-1 dims: batch first, then seq where the rank says so)."""
+    import numpy as np
+
+    from attnx.contract import BATCH, SEQ, default_role
+    from attnx.runtime.apis.kserve_tensors import TRITON_TO_NUMPY
+    from attnx.runtime.core.session import TensorSpec
+
+    specs = []
+    for t in meta.get("inputs", []):
+        if t["datatype"] == "BYTES":  # a text model's text input: its token-id inputs are used instead
+            continue
+        dims: list = []
+        for axis, d in enumerate(t["shape"]):
+            if d != -1:
+                dims.append(d)
+            else:
+                dims.append(BATCH if axis == 0 else SEQ if SEQ not in dims else "?")
+        specs.append(TensorSpec(t["name"], np.dtype(TRITON_TO_NUMPY[t["datatype"]]), tuple(dims),
+                                default_role(t["name"], True)))
+    return specs

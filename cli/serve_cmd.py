@@ -217,7 +217,9 @@ def register(app: typer.Typer) -> None:
                 meta = client.get_model_metadata(model)
             finally:
                 client.close()
-            specs = _specs_from_metadata(meta)
+            from attnx.cli.bench_text import specs_from_metadata
+
+            specs = specs_from_metadata(meta)
             pool = b.request_pool(specs, lengths, batch=batch)
             target = b.HttpTarget(url, model)
             result = b.run_load(
@@ -245,29 +247,6 @@ def register(app: typer.Typer) -> None:
             report.write_text(json.dumps(result.summary(), indent=2))
         if result.ok == 0:
             raise UserError(f"no request succeeded; errors: {dict(result.errors)}", code=1)
-
-
-def _specs_from_metadata(meta: dict):
-    """TensorSpecs from KServe model metadata (-1 dims: batch first, then seq where the rank says so)."""
-    import numpy as np
-
-    from attnx.contract import BATCH, SEQ, default_role
-    from attnx.runtime.apis.kserve_tensors import TRITON_TO_NUMPY
-    from attnx.runtime.core.session import TensorSpec
-
-    specs = []
-    for t in meta.get("inputs", []):
-        if t["datatype"] == "BYTES":  # a text model's text input: its token-id inputs are used instead
-            continue
-        dims: list = []
-        for axis, d in enumerate(t["shape"]):
-            if d != -1:
-                dims.append(d)
-            else:
-                dims.append(BATCH if axis == 0 else SEQ if SEQ not in dims else "?")
-        specs.append(TensorSpec(t["name"], np.dtype(TRITON_TO_NUMPY[t["datatype"]]), tuple(dims),
-                                default_role(t["name"], True)))
-    return specs
 
 
 def _chat_template_files(items: list[str] | None, files: dict[str, Path]) -> dict[str | None, Path]:
