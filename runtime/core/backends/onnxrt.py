@@ -92,6 +92,8 @@ class OrtOptions:
       on the calling thread, so :class:`OnnxRuntimeSession` flushes there too for the length of each run
       (:func:`denormals_flushed`), and restores the thread's mode after it. ORT alone would set it for good on the
       thread that creates the session; attnx restores that thread too.
+    - ``decoder_fusions``: a with-past export on the CPU runs rewritten with ONNX Runtime's fused operators (the file
+      is not changed; :mod:`attnx.runtime.core.ort_fusions`). On unless ``ATTNX_DECODER_FUSIONS=0``.
     """
 
     device: str = "auto"
@@ -104,6 +106,8 @@ class OrtOptions:
     disabled_optimizers: tuple[str, ...] = ("SkipLayerNormFusion",)
     denormal_as_zero: bool = True
     extra_session_config: dict[str, str] = field(default_factory=dict)
+    log_severity: int = 2  # the session's ONNX Runtime log level (2: its default, warnings; decoders run at 3)
+    decoder_fusions: bool = field(default_factory=lambda: os.environ.get("ATTNX_DECODER_FUSIONS") != "0")
 
     _LEVELS = ("all", "extended", "basic", "none")
 
@@ -139,14 +143,19 @@ class OrtOptions:
             so.add_session_config_entry("session.set_denormal_as_zero", "1")
         for k, v in self.extra_session_config.items():
             so.add_session_config_entry(k, v)
+        so.log_severity_level = self.log_severity
         return so
 
-    def inference_session(self, path: str | os.PathLike, providers=None):
-        """An ``onnxruntime.InferenceSession`` of ``path`` with these options (providers: the device's)."""
+    def inference_session(self, path: str | os.PathLike, providers=None, model_bytes: bytes | None = None):
+        """An ``onnxruntime.InferenceSession`` of ``path`` (or of ``model_bytes``, its rewrite) with these options."""
         import onnxruntime as ort
 
+        options = self.session_options()
+        if model_bytes is not None:  # its external data: beside the file
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                             str(Path(path).parent))
         with _callers_fp_mode_kept():
-            return ort.InferenceSession(str(path), sess_options=self.session_options(),
+            return ort.InferenceSession(model_bytes if model_bytes is not None else str(path), sess_options=options,
                                         providers=providers or ort_providers(self.device),
                                         disabled_optimizers=list(self.disabled_optimizers))
 
@@ -202,7 +211,15 @@ class OnnxRuntimeSession(Session):
             raise FileNotFoundError(f"no model file at {self.path}")
         self.options = options or OrtOptions()
         providers = ort_providers(self.options.device)
-        self._sess = self.options.inference_session(self.path, providers)
+        from attnx.runtime.core.decoding import decoding_options
+
+        fused = None  # a with-past export on the CPU: ONNX Runtime's fused operators (attnx.runtime.core.ort_fusions)
+        if self.options.decoder_fusions and providers == ["CPUExecutionProvider"] and decoding_options(self.path):
+            from attnx.runtime.core.ort_fusions import session_graph
+
+            fused = session_graph(self.path)
+        self.fusions: dict[str, int] = fused[1] if fused else {}  # what was rewritten (empty: the file as written)
+        self._sess = self.options.inference_session(self.path, providers, fused[0] if fused else None)
         self.provider = "onnxruntime:" + self._sess.get_providers()[0]
         self.metadata = dict(self._sess.get_modelmeta().custom_metadata_map)
         info = self.info
