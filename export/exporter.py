@@ -44,6 +44,7 @@ from attnx.export import graph as passes
 from attnx.export import onnx_file, ops
 from attnx.export.attention_outputs import WithAttentionOutputs, parse_layers
 from attnx.export.decompose import only_what_onnx_lacks
+from attnx.export.protocol import check_exportable, is_cached
 from attnx.export.type_promotion import promotion_from_the_trace
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
@@ -238,10 +239,10 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
     input_names, output_names = [s.name for s in inputs], [s.name for s in outputs]
     step("trace")
     # A model with more dynamic dims than batch/seq (a decoder's KV cache) gives its own examples and dims.
-    feeds = model.example_inputs() if hasattr(model, "example_inputs") else example_inputs(model)
+    feeds = model.example_inputs() if is_cached(model) else example_inputs(model)
     seq_max = int(getattr(model, "max_seq", 65536))  # a model with position embeddings has a limit
     dims = {"batch": torch.export.Dim("batch", min=1, max=4096), "seq": torch.export.Dim("seq", min=1, max=seq_max),
-            **(model.export_dims() if hasattr(model, "export_dims") else {})}
+            **(model.export_dims() if is_cached(model) else {})}
     dynamic_shapes = tuple({i: dims[d] for i, d in enumerate(s.shape) if isinstance(d, str)} for s in inputs)
     wrapper = _Positional(model, input_names, output_names)
     args = tuple(feeds[n] for n in input_names)
@@ -273,7 +274,7 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
         fusions.fuse(graph)
     passes.name_dims(graph, {s.name: s.shape for s in [*inputs, *outputs]})
     if fp16:
-        to_fp16(graph, FP32_OPS_WITH_CACHE if hasattr(model, "cache_metadata") else FP32_OPS)
+        to_fp16(graph, FP32_OPS_WITH_CACHE if is_cached(model) else FP32_OPS)
     passes.remove_dead(graph)
     passes.strip_metadata(graph)
     graph.ir_version = min(graph.ir_version, IR_VERSION) if graph.ir_version else IR_VERSION
@@ -313,6 +314,23 @@ def _entries(values, specs: dict) -> list[TensorEntry]:
     return out
 
 
+def _give_defaults(model, defaults) -> None:
+    """Each ``(spec, value)`` as an initializer of the graph input of that name (ONNX's overridable initializer:
+    ONNX Runtime uses it when the input is not fed; TensorRT reads it as a constant)."""
+    import onnx_ir as ir
+
+    by_name = {spec.name: value for spec, value in defaults}
+    for value in model.graph.inputs:
+        if value.name in by_name:
+            value.const_value = ir.tensor(by_name[value.name].numpy(), name=value.name)
+            model.graph.register_initializer(value)
+
+
+def _required(model) -> list:
+    """The graph inputs a caller must feed (those with a default left out, as ``attnx.contract.graph_io`` does)."""
+    return [v for v in model.graph.inputs if v.name not in model.graph.initializers]
+
+
 def export_names(path: Path) -> set[str]:
     """The final names an export to ``path`` writes or replaces beside it."""
     return {path.name, path.name + ".data", path.with_suffix(".safetensors").name, f"{path.stem}.tokenizer"}
@@ -346,6 +364,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     staging (the caller adds files and commits); default: staged and committed here.
     ``int8_weight_bits``: quantize (:func:`attnx.export.quantize.quantize_file`) before the files appear;
     ``weight_only_bits`` (4 or 8): weight-only MatMulNBits instead (:mod:`attnx.export.weight_only`)."""
+    check_exportable(model)  # one line naming what a model lacks (attnx.export.protocol)
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
     max_opset = onnx.defs.onnx_opset_version()
@@ -373,9 +392,12 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
         layers = [] if attention_outputs is None else parse_layers(attention_outputs, len(model.blocks))
         model = WithAttentionOutputs(model, layers, head_mask)
     ops.register_schemas()
-    inputs, outputs = model.input_specs(), model.output_specs()
+    # inputs the file gives a default (a decoder's logits_to_keep): last, each an initializer of its own name
+    defaults = model.input_defaults() if is_cached(model) else []
+    inputs, outputs = model.input_specs() + [spec for spec, _ in defaults], model.output_specs()
     graph, profiles = build_graph(model, inputs, outputs, lowering=lowering, opset=opset, profiles=profiles, fuse=fuse,
                                   fp16=fp16, step=step)
+    _give_defaults(graph, defaults)
 
     quantization = None
     if weight_only_bits is not None:  # each weight quantized when it is written (attnx.export.weight_only)
@@ -392,10 +414,10 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     specs = {s.name: s for s in [*inputs, *outputs]}
     precision = "fp16" if fp16 else "fp32" if weight_only_bits is None else f"int{weight_only_bits}-weights"
     info = ModelInfo(variant=model.variant, config=model.config_dict(), lowering=lowering,
-                     precision=precision, inputs=_entries(graph.graph.inputs, specs),
+                     precision=precision, inputs=_entries(_required(graph), specs),
                      outputs=_entries(graph.graph.outputs, specs), profiles={k: list(v) for k, v in profiles.items()},
                      version=attnx.__version__, weights=weights_path.name if weights_path else None,
-                     tokenizer=tokenizer, cache=model.cache_metadata() if hasattr(model, "cache_metadata") else None,
+                     tokenizer=tokenizer, cache=model.cache_metadata() if is_cached(model) else None,
                      reference=reference)
     if quantization is not None:
         info.quantization = quantization

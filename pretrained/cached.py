@@ -10,13 +10,23 @@ Inputs (the names Optimum and onnxruntime-genai use): ``input_ids [batch, seq]``
 ``attention_mask [batch, total]`` (past + new: 1 = token, 0 = padding or an unused cache slot),
 ``position_ids [batch, seq]`` (where the family takes positions), ``past_key_values.{i}.key|value
 [batch, kv_heads, past, head_dim]`` for each layer, then each variant's cached state
-(``past_key_values.{i}.<name>``, :mod:`attnx.models.cache`), then the context inputs. Outputs:
-``logits [batch, 1, vocab]`` (the last new position's only: all that generating needs, so a prefill never
-runs the LM head on the whole prompt, transformers' ``logits_to_keep=1``; onnxruntime-genai takes such
-logits), ``present.{i}.*`` (past + new, the same layout) and the variants' extra outputs. Layers appended
-after the last one (maw's own form) cache their own k/v as layers ``n_layers ...``. ``past`` may be 0 on ONNX
-Runtime; attnx's own generation keeps one masked slot (``attention_mask`` 0 there) so no tensor is ever empty,
-which TensorRT profiles need.
+(``past_key_values.{i}.<name>``, :mod:`attnx.models.cache`), then the context inputs, and last
+``logits_to_keep [keep]`` (int64: which new positions get logits, transformers' tensor form of its
+``logits_to_keep``; negative counts from the end). Outputs: ``logits`` (``[batch, keep, vocab]``, declared
+``[batch, 1, vocab]``: the default's shape, which onnxruntime-genai sizes its buffer from), ``present.{i}.*``
+(past + new, the same layout) and the variants' extra outputs.
+
+``logits_to_keep`` has a default in the file: an initializer of the same name holding ``[-1]`` (ONNX's
+overridable initializer, :meth:`CachedHost.input_defaults`), so a caller that does not feed it (ONNX Runtime,
+onnxruntime-genai, attnx's own decode loop) gets the last new position's logits only, as before the input
+existed: a prefill never runs the LM head on the whole prompt (transformers' ``logits_to_keep=1``), and the
+file's required inputs (``attnx.inputs``, ONNX Runtime's ``get_inputs``) are unchanged. Prompt logprobs feed
+it (every new position of a prefill chunk: :meth:`attnx.runtime.core.decoding.Decoder.prompt_logprobs`);
+``attnx.cache`` names it (``logits_to_keep``). A TensorRT engine takes the initializer as a constant (the last
+position); ONNX Runtime warns when fed logits differ from the declared shape (attnx's decoder sessions run
+with its warnings off). Layers appended after the last one (maw's own form) cache their own k/v as layers
+``n_layers ...``. ``past`` may be 0 on ONNX Runtime; attnx's own generation keeps one masked slot
+(``attention_mask`` 0 there) so no tensor is ever empty, which TensorRT profiles need.
 
 transformers' own attention modules update the cache (a :class:`PastCache` over the given tensors:
 full-length layers, sliding windows are applied by the mask) and call attnx's attention backend on
@@ -37,6 +47,10 @@ from attnx.models.cache import LayerCache, cache_entries
 from attnx.models.signature import InputSpec, OutputSpec, check_inputs, example_tensor
 from attnx.pretrained import backend
 from attnx.pretrained.host import Host, positions_from_mask
+
+#: The input choosing which new positions get logits, and its dim (module docstring).
+LOGITS_TO_KEEP = "logits_to_keep"
+KEEP = "keep"
 
 
 def _cache_base():
@@ -94,12 +108,16 @@ class CachedHost(Host):
     """A placed causal LM (:class:`~attnx.pretrained.host.Host`, the same weights and names) whose
     export signature carries the KV cache (module docstring)."""
 
+    #: Whether the signature has the ``logits_to_keep`` input (off: the file of attnx before it, for comparisons).
+    keeps_logits: bool = True
+
     @classmethod
-    def of(cls, host: Host) -> "CachedHost":
+    def of(cls, host: Host, keeps_logits: bool = True) -> "CachedHost":
         if host.task != "causal-lm":
             raise ValueError(f"a KV cache belongs to a causal LM (a decoder that generates); this model's task is "
                              f"{host.task}")
         out = cls(host.hf, host.task, host.st, host.source, host.max_length)
+        out.keeps_logits = keeps_logits
         return out.eval() if not host.training else out
 
     def __init__(self, *args, **kwargs):
@@ -148,9 +166,21 @@ class CachedHost(Host):
                                    "each new token's position among the real tokens", range=(0, self.max_seq)))
         return specs + [past for past, _, _ in self.cache_specs()]
 
+    def input_defaults(self) -> list[tuple[InputSpec, torch.Tensor]]:
+        """Inputs after :meth:`input_specs` that the file gives a default (the exporter writes each value as an
+        initializer of the input's name): a caller that leaves one out gets today's last-position logits."""
+        if not self.keeps_logits:
+            return []
+        spec = InputSpec(LOGITS_TO_KEEP, (KEEP,), "int64", LOGITS_TO_KEEP, "which new positions get logits (indices "
+                         "into the new tokens, negative from the end); default [-1]: the last one")
+        return [(spec, torch.tensor([-1], dtype=torch.int64))]
+
     def base_output_specs(self) -> list[OutputSpec]:
+        # [batch, 1, vocab] as declared, the default's shape: onnxruntime-genai sizes its logits from that 1
+        # (a dynamic dim reads to it as one row per new token); fed, logits_to_keep gives [batch, keep, vocab]
         return [OutputSpec("logits", (BATCH, 1, self.vocab_size), "float", Role.OUTPUT,
-                           "next-token logits at the last new position")] + [p for _, p, _ in self.cache_specs()]
+                           "next-token logits at the last new position (at those logits_to_keep names when fed)")] + \
+            [p for _, p, _ in self.cache_specs()]
 
     def empty_cache(self, batch: int, slots: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
         """The past before any token: ``slots`` zero positions per layer (masked out by the caller)."""
@@ -170,12 +200,14 @@ class CachedHost(Host):
         feeds["attention_mask"] = mask
         if "position_ids" in feeds:
             feeds["position_ids"] = positions_from_mask(mask)[:, past:].contiguous()
+        if self.keeps_logits:  # two positions, one counted from the end (one would fix the dim at 1 in a trace)
+            feeds[LOGITS_TO_KEEP] = torch.tensor([0, -1], dtype=torch.int64)
         return feeds
 
     def export_dims(self) -> dict:
         """Every dim dynamic without stated bounds: ``total >= past + seq`` relates three dims, which no
         ``torch.export.Dim`` can state (it is checked here, in :meth:`forward_named`, and by the runtimes)."""
-        return {d: torch.export.Dim.DYNAMIC for d in (BATCH, SEQ, PAST, TOTAL)}
+        return {d: torch.export.Dim.DYNAMIC for d in (BATCH, SEQ, PAST, TOTAL, KEEP)}
 
     #: ``torch.export`` options (:func:`attnx.export.exporter._trace`): guards between the cache's dims become
     #: runtime asserts, which the ONNX exporter drops, instead of a guard function it cannot translate.
@@ -184,10 +216,16 @@ class CachedHost(Host):
     # ---- the forward ------------------------------------------------------------------------------
     def forward_named(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         specs = self.cache_specs()
-        base = {s.name for s in self.base_input_specs()}
+        defaults = [spec for spec, _ in self.input_defaults()]
+        base = {s.name for s in [*self.base_input_specs(), *defaults]}
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        keep = inputs.get(LOGITS_TO_KEEP)
         if not torch.compiler.is_exporting():
-            check_inputs(self.input_specs(), inputs, optional=("position_ids",))
+            check_inputs(self.input_specs() + defaults, inputs, optional=("position_ids", LOGITS_TO_KEEP))
+            if keep is not None and keep.numel() and not -ids.shape[1] <= int(keep.min()) <= int(keep.max()) < \
+                    ids.shape[1]:
+                raise ValueError(f"{LOGITS_TO_KEEP} must index the {ids.shape[1]} new tokens (in [-{ids.shape[1]}, "
+                                 f"{ids.shape[1]})), got {keep.tolist()}")
             if mask.shape[1] < ids.shape[1]:
                 raise ValueError(f"attention_mask covers {mask.shape[1]} positions, fewer than the {ids.shape[1]} new "
                                  "tokens: it must cover the cached ones and the new ones")
@@ -209,12 +247,22 @@ class CachedHost(Host):
             positions = inputs.get("position_ids")
             kwargs["position_ids"] = positions if positions is not None else \
                 positions_from_mask(mask)[:, mask.shape[1] - ids.shape[1]:]
-        if "logits_to_keep" in inspect.signature(self.hf.forward).parameters:
-            kwargs["logits_to_keep"] = 1  # the LM head on the last position only
+        takes = "logits_to_keep" in inspect.signature(self.hf.forward).parameters
+        if keep is None:  # the last position only (the LM head never runs on the whole prompt)
+            if takes:
+                kwargs["logits_to_keep"] = 1
+        else:  # indices counted from the start: a Gather every backend takes (TensorRT included)
+            keep = torch.where(keep < 0, keep + ids.shape[1], keep)
+            if takes:
+                kwargs["logits_to_keep"] = keep
         state = CachedState(states)
         with backend.calling(backend.Call(context=context, tokens=mask, cache=state)):
             result = self.hf(**kwargs)
-        out = {"logits": result.logits[:, -1:]}
+        if keep is None:
+            logits = result.logits[:, -1:]
+        else:
+            logits = result.logits if takes else result.logits.index_select(1, keep)
+        out = {"logits": logits}
         for i, layer in enumerate(cache.layers[:host_layers]):
             out[f"present.{i}.key"], out[f"present.{i}.value"] = layer.keys, layer.values
         for _, present, _ in specs:
@@ -248,10 +296,13 @@ class CachedHost(Host):
             entries.append({"layer": i, "name": name, "input": past.name, "output": present.name, "axis": axis,
                             "shape": list(past.shape)})
         variants = sorted({layer["variant"] for layer in self.cache_layers()})
-        return {"layers": len(self.blocks), "host_layers": len(self.hf.attnx_attention), "entries": entries,
-                "position_ids": self.derive_positions, "max_positions": int(self.max_seq),
-                "eos_token_id": eos_ids, "bos_token_id": None if bos is None else int(bos),
-                "semantics": {v: cache_semantics(v) for v in variants}}
+        out = {"layers": len(self.blocks), "host_layers": len(self.hf.attnx_attention), "entries": entries,
+               "position_ids": self.derive_positions, "max_positions": int(self.max_seq),
+               "eos_token_id": eos_ids, "bos_token_id": None if bos is None else int(bos),
+               "semantics": {v: cache_semantics(v) for v in variants}}
+        if self.keeps_logits:  # the input that chooses the positions with logits (its default: the last)
+            out["logits_to_keep"] = LOGITS_TO_KEEP
+        return out
 
 
 def _split(name: str) -> tuple[int, str]:
@@ -267,4 +318,4 @@ def cache_semantics(variant: str) -> str:
     return get_spec(variant).cache_summary()
 
 
-__all__ = ["CachedHost", "CachedState", "PastCache", "cache_semantics"]
+__all__ = ["KEEP", "LOGITS_TO_KEEP", "CachedHost", "CachedState", "PastCache", "cache_semantics"]

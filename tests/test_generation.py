@@ -180,8 +180,9 @@ def test_check_compares_with_the_original(tmp_path):
 
 
 def test_the_export_computes_the_last_positions_logits_only():
-    """A with-past export's ``logits`` are ``[batch, 1, vocab]``, at a prefill too (transformers'
-    ``logits_to_keep=1``: the LM head never runs on the whole prompt), and equal transformers' logits there."""
+    """A with-past export's ``logits`` are ``[batch, 1, vocab]`` unless ``logits_to_keep`` asks for more (its default
+    in the file: the last position), at a prefill too (the LM head never runs on the whole prompt), and equal
+    transformers' logits there (more positions: tests/test_prompt_logprobs.py)."""
     from attnx.runtime import load
 
     source = gf.folder("llama")

@@ -16,7 +16,9 @@ the choice (OpenAI's definition); ``functions`` / ``function_call`` (the legacy 
 answered as ``message.function_call``; ``parallel_tool_calls`` false keeps the first call; ``user`` and
 ``safety_identifier`` are logged with the request id (what OpenAI keeps them for); the fields attnx cannot honour
 are a 400 naming them (:data:`~attnx.runtime.apis.requests.REFUSED`). ``attnx serve --max-new-tokens`` is the
-default ``max_tokens`` and clamps larger ones. Streams are server-sent events ending with ``data: [DONE]``;
+default ``max_tokens`` and clamps larger ones. The prompt's logprobs, OpenAI's legacy ``echo`` + ``logprobs``
+(``max_tokens`` 0: the prompt alone) and vLLM's ``prompt_logprobs``, come from a chunked prefill
+(:mod:`attnx.runtime.apis.prompt_logprobs`). Streams are server-sent events ending with ``data: [DONE]``;
 every choice joins the model's step-level batch on its own.
 """
 
@@ -33,14 +35,15 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
-from attnx.runtime.apis.generation import (GenerationModel, check_choices, check_room, complete, pieces,
-                                           response_grammar, sampling)
-from attnx.runtime.apis.registry import GENERATE
+from attnx.runtime.apis import prompt_logprobs
+from attnx.runtime.apis.generation import (Completion, GenerationModel, check_choices, check_max_tokens, complete,
+                                           pieces, response_grammar, sampling)
 from attnx.runtime.apis.requests import ChatRequest, CompletionRequest, items, openapi_body, parse
+from attnx.runtime.serving.model import GENERATE
+from attnx.runtime.serving.state import Serving, serving
 from attnx.runtime.wire.envelope import Call
 from attnx.runtime.core import tools
 from attnx.runtime.wire.errors import OPENAI_SHAPE, ProtocolError, bad_input
-from attnx.runtime.wire.http import Serving, serving
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 router = APIRouter(tags=["OpenAI"])
@@ -63,7 +66,7 @@ async def _serve(request: Request, kind: type) -> Response:
     async def work(call: Call) -> Response:
         body = await s.envelope.body(request, call, lambda raw: parse(kind, raw, s.string_cap),
                                      counts="chat" if kind is ChatRequest else "prompts")
-        model = call.named(s.registry.pick(body.model, GENERATE))
+        model = call.named(s.registry.resolve(body.model, GENERATE))
         if kind is ChatRequest:  # counted before anything is rendered or tokenised
             s.limits.check_messages(len(body.messages))
         else:
@@ -87,12 +90,22 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
     else:
         prompts = [await model.prompt_ids(p, workers) for p in items(body.prompt)]
         max_key, max_tokens, top = "max_tokens", body.max_tokens, body.logprobs
-    check_room(model, max(map(len, prompts)), body, max_key)
+    check_max_tokens(model, max(map(len, prompts)), body, max_key)
     check_choices(model, body.n * len(prompts))
     model.check_logit_bias(body.logit_bias)
-    base = sampling(body, model.new_tokens(max_tokens), names={"max_new_tokens": max_key}, logprobs=top)
+    echo, (echoed, asked, scoring_key) = getattr(body, "echo", False), prompt_logprobs.asked(body)
+    scoring = None if echoed is None and asked is None else max(echoed or 0, asked or 0)
+    generate = max_tokens != 0  # completions' 0: the prompt alone, echoed
+    if not generate and not echo:
+        raise bad_input("'max_tokens' 0 generates nothing: it needs 'echo': true (the prompt alone)", "max_tokens")
+    if scoring is not None and body.stream:
+        raise bad_input(f"'{scoring_key}': the prompt's logprobs cannot be streamed", "stream")
+    if scoring is not None:
+        prompt_logprobs.check(model, scoring_key)
+    base = sampling(body, model.new_tokens(max_tokens), names={"max_new_tokens": max_key}, logprobs=top) \
+        if generate else None
     # each prompt's n choices together, in OpenAI's order; a seed gives choice j the seed + j
-    choices = [(ids, base if body.seed is None or j == 0 else base.with_(seed=body.seed + j))
+    choices = [(ids, base if base is None or body.seed is None or j == 0 else base.with_(seed=body.seed + j))
                for ids in prompts for j in range(body.n)]
     guides = await model.guides(grammar, len(choices), workers, "response_format" if body.response_format else "tools")
     context = model.context(body.context)
@@ -103,17 +116,23 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
         if getattr(body, who, None):
             log.info("%s: %s %.200r", rid, who, getattr(body, who))
     legacy, single = chat and body.functions is not None, chat and body.parallel_tool_calls is False
-    echo = getattr(body, "echo", False)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         return await _stream(model, choices, guides, context, head, chat, echo, include_usage, form, legacy, single)
-    done = await asyncio.gather(*(complete(model, ids, params, context, request, guide)
-                                  for (ids, params), guide in zip(choices, guides)))
-    out = []
+    scored, *done = await asyncio.gather(
+        _scored(model, prompts, scoring, context, request, scoring_key),
+        *(complete(model, ids, params, context, request, guide) if params is not None else _nothing(ids)
+          for (ids, params), guide in zip(choices, guides)))
+    word, out = functools.partial(_token_text, model.tokenizer), []
     for i, ((ids, _), c) in enumerate(zip(choices, done)):
         text = (model.tokenizer.decode(ids) + c.text) if echo else c.text
         item = {"index": i, "finish_reason": c.finish_reason, "logprobs": _logprobs(model, c.logprobs, chat, 0)
                 if top is not None else None}
+        if echoed is not None:  # OpenAI's legacy echo: the prompt's tokens first
+            item["logprobs"] = prompt_logprobs.joined(prompt_logprobs.legacy(scored[i // body.n], word, echoed),
+                                                      item["logprobs"])
+        if asked is not None and not chat:  # vLLM's, on each choice
+            item["prompt_logprobs"] = prompt_logprobs.vllm(scored[i // body.n], word, asked)
         if chat:
             content, calls = tools.parse(form, text) if form else (text, [])
             item["message"] = {"role": "assistant", "content": content}
@@ -124,7 +143,22 @@ async def _answer(s: Serving, request: Request, model: GenerationModel, body) ->
             item["text"] = text
         out.append(item)
     usage = _usage(sum(len(ids) for ids in prompts), sum(len(c.tokens) for c in done))
-    return Response(json.dumps({**head, "choices": out, "usage": usage}), media_type="application/json")
+    answer: dict[str, Any] = {**head, "choices": out, "usage": usage}
+    if chat and asked is not None:  # vLLM's chat: one list, at the top level
+        answer["prompt_logprobs"] = prompt_logprobs.vllm(scored[0], word, asked)
+    return Response(json.dumps(answer), media_type="application/json")
+
+
+async def _scored(model: GenerationModel, prompts, top: int | None, context, request, key: str):
+    """Each prompt's logprobs (None: not asked for)."""
+    if top is None:
+        return None
+    return await prompt_logprobs.score(model, prompts, top, context, request, key)
+
+
+async def _nothing(ids: list[int]) -> Completion:
+    """``max_tokens`` 0: no token generated (the prompt is echoed)."""
+    return Completion("", [], "length", len(ids), [])
 
 
 def _tool_form(model: GenerationModel, body: ChatRequest, tool_list: list[dict], grammar):

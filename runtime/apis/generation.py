@@ -20,8 +20,6 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 import numpy as np
 
-from attnx.runtime.apis.encoding import context_arrays
-from attnx.runtime.apis.registry import EMBED, GENERATE, TOKENIZE, WORDS, input_error
 from attnx.runtime.core.chat import ChatError, ChatTemplate, Renderer
 from attnx.runtime.core.decoding import Decoder, source_info
 from attnx.runtime.core.generate import Piece
@@ -30,6 +28,8 @@ from attnx.runtime.core.sampling import SamplingError, SamplingParams
 from attnx.runtime.core.scheduler import GenerationScheduler, RequestFault, SchedulerClosed, SchedulerFull
 from attnx.runtime.core.session import InputError, Session
 from attnx.runtime.core.text import CHARS_PER_TOKEN, TextTokenizer
+from attnx.runtime.serving.encoding import context_arrays
+from attnx.runtime.serving.model import EMBED, GENERATE, INFER, TOKENIZE, WORDS
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, overloaded, too_large
 from attnx.runtime.wire.limits import Workers
 
@@ -45,6 +45,9 @@ def is_generator(session: Session) -> bool:
 
 @dataclass
 class GenerationModel:
+    """A text generator behind the server (a :class:`~attnx.runtime.serving.model.ServedModel`); it joins the
+    encoder in :mod:`attnx.runtime.serving` once this module's other work has landed."""
+
     name: str
     session: Session
     decoder: Decoder
@@ -55,6 +58,8 @@ class GenerationModel:
     version: str = "1"
     capabilities: frozenset = frozenset({GENERATE, TOKENIZE})
     max_new_tokens: int | None = None  # ``attnx serve --max-new-tokens``: the default and the bound of every request
+    prompt_chunk: int | None = None  # new tokens per run when a prompt is scored (None: PROMPT_CHUNK)
+    scoring: Any = None  # the thread prompts are scored on, off the loop and the scheduler (made on first use)
 
     @classmethod
     def load(cls, name: str, session: Session, tokenizer: TextTokenizer | None, *, max_batch: int,
@@ -90,6 +95,8 @@ class GenerationModel:
         return self.scheduler.max_queue
 
     def unfit(self, capability: str) -> str:
+        if capability == INFER:  # KServe's infer, HTTP or gRPC: its generate extension is the way in
+            return f"model {self.name!r} generates text: use /v2/models/{self.name}/generate"
         what = "an embedding" if capability == EMBED else f"a {WORDS[capability][0]}"
         return f"model {self.name!r} generates text (a with-past export); it is not {what}"
 
@@ -110,6 +117,8 @@ class GenerationModel:
 
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         self.scheduler.close(drain=drain, timeout=timeout)
+        if self.scoring is not None:
+            self.scoring.shutdown(wait=False, cancel_futures=True)
         if self.grammars is not None:
             self.grammars.close()
 
@@ -159,7 +168,7 @@ class GenerationModel:
             try:
                 ids = [int(i) for i in (await workers.run(tokenize, cost=len(prompt)))[0].ids]
             except InputError as e:
-                raise input_error(e, f"'{param}': ", param) from None
+                raise e.refused(f"'{param}': ", param) from None
         else:
             vocab = self.decoder.vocab_size
             bad = next((t for t in prompt if t < 0 or (vocab is not None and t >= vocab)), None)
@@ -236,7 +245,7 @@ def check_choices(model: GenerationModel, count: int) -> None:
                          f"{model.max_queue}); retry later")
 
 
-def check_room(model: GenerationModel, prompt_tokens: int, body, key: str) -> None:
+def check_max_tokens(model: GenerationModel, prompt_tokens: int, body, key: str) -> None:
     """A ``max_tokens`` the request set that the prompt leaves no room for is a one-line 400 naming it, as vLLM and
     OpenAI answer (a default is cut at the positions instead)."""
     positions, asked = model.decoder.max_positions, getattr(body, key)
@@ -264,11 +273,9 @@ async def pieces(model: GenerationModel, prompt: list[int], params: SamplingPara
         handle = model.scheduler.submit(prompt, params, deliver, lambda message: deliver(ProtocolError(
             Kind.BAD_INPUT if isinstance(message, RequestFault) else Kind.INTERNAL, message)), context, guide)
     except InputError as e:
-        raise bad_input(str(e), "context" if context else "prompt") from None
-    except SchedulerFull as e:
-        raise overloaded(str(e)) from None
-    except SchedulerClosed as e:
-        raise ProtocolError(Kind.SHUTTING_DOWN, str(e)) from None
+        raise e.refused(param="context" if context else "prompt") from None
+    except (SchedulerFull, SchedulerClosed) as e:
+        raise e.refused() from None
     try:
         while True:
             item = await queue.get()

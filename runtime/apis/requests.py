@@ -153,6 +153,7 @@ class Sampling(Body, OpenAIFields):
     top_k: Annotated[int | None, Field(ge=0, le=MAX_INT)] = None
     repetition_penalty: Annotated[float | None, Field(ge=0.01, le=100)] = None
     ignore_eos: bool = False
+    prompt_logprobs: TopLogprobs = None  # vLLM's: each prompt token's logprob and this many alternatives
     context: Context = None
     musts: ClassVar = {"stop": "must be a string or a list of strings",
                        "logit_bias": "must be an object {\"token id\": bias in [-100, 100]}"}
@@ -163,16 +164,9 @@ class CompletionRequest(Sampling, CompletionRefusals):
     """``POST /v1/completions``."""
 
     prompt: Annotated[str | list[int] | list[str | list[int]], texts_or_ids("prompt")]
-    max_tokens: Annotated[int | None, Field(ge=1, le=MAX_INT)] = 16
+    max_tokens: Annotated[int | None, Field(ge=0, le=MAX_INT)] = 16  # 0: the prompt alone (with 'echo')
     echo: bool = False
-    logprobs: TopLogprobs = None
-
-    @model_validator(mode="after")
-    def _echo(self):
-        if self.echo and self.logprobs is not None:
-            fail("'logprobs' with 'echo' (the prompt's logprobs) is not supported: attnx's decoders compute the "
-                 "last position's logits only")
-        return self
+    logprobs: TopLogprobs = None  # with 'echo': the prompt's tokens too (attnx.runtime.apis.prompt_logprobs)
 
 
 class ChatMessage(BaseModel):

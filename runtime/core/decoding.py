@@ -22,6 +22,9 @@ host. Only a batch that changes (:meth:`Decoder.merge`, :meth:`Decoder.select`) 
 
 That is the step-level batching of :mod:`attnx.runtime.core.scheduler`: a batch of rows decodes one token each
 per run, a row that finishes leaves, a request that arrives joins after its prefill.
+
+:meth:`Decoder.prompt_logprobs` scores a prompt instead, by a prefill in chunks that feed ``logits_to_keep``
+(:mod:`attnx.runtime.core.prompt_logprobs`); the steps above never feed it (the file's default: the last position).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class CacheLayout:
     eos: tuple[int, ...]
     bos: int | None
     max_positions: int
+    logits_to_keep: str | None = None  # the input choosing the positions with logits (None: the last only)
 
     @classmethod
     def of(cls, session: Session) -> "CacheLayout":
@@ -70,8 +74,10 @@ class CacheLayout:
         if missing or "logits" not in session.output_names:
             raise NotAGenerator(f"{session.path.name}: its attnx.cache metadata names {missing[:1] or ['logits']}, "
                                 "which the file does not have (the metadata was changed; re-export it)")
+        keep = cache.get("logits_to_keep")
         return cls(tensors, bool(cache.get("position_ids")), tuple(int(e) for e in cache.get("eos_token_id") or ()),
-                   cache.get("bos_token_id"), int(cache.get("max_positions") or 0))
+                   cache.get("bos_token_id"), int(cache.get("max_positions") or 0),
+                   keep if isinstance(keep, str) else None)
 
 
 def _why_not_a_generator(session: Session, info) -> str:
@@ -91,8 +97,10 @@ def _why_not_a_generator(session: Session, info) -> str:
 #: Decoding runs one short step after another, so pool threads that spin between ops are never idle for
 #: long, and ORT's own fusions of the decoder's RMSNorm + residual help: measured on the 8-layer Llama of
 #: ``benchmarks/bench_generation.py`` (2 threads, interleaved), 6.08 -> 5.26 ms/token, onnxruntime-genai's
-#: 5.28 on the same file (which runs ORT with its defaults too).
-DECODING_ORT_OPTIONS = {"spin": True, "disabled_optimizers": ()}
+#: 5.28 on the same file (which runs ORT with its defaults too). ORT's warnings are off (errors stay): the two it
+#: gives a with-past export are expected (``logits_to_keep``, an initializer that is also an input, at load; its
+#: logits declared ``[batch, 1, vocab]`` for onnxruntime-genai when a prompt is scored: :mod:`attnx.pretrained.cached`).
+DECODING_ORT_OPTIONS = {"spin": True, "disabled_optimizers": (), "log_severity": 3}
 
 
 def decoding_options(path: Path) -> dict:
@@ -352,6 +360,21 @@ class Decoder:
     # ---- the steps -------------------------------------------------------------------------------
     def start(self, prompt: Sequence[int], context: Mapping[str, np.ndarray] | None = None):
         """Prefill one sequence: ``(logits of its next token [vocab], its state)``."""
+        ids, state = self.fresh(prompt, context)
+        feeds = self._feeds(state, ids, np.ones_like(ids))
+        logits, state = self._advance(state, feeds, np.array([ids.shape[1]]), validate=True)
+        return logits[0], state
+
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0, context: Mapping[str, np.ndarray] | None = None,
+                        chunk: int | None = None, stop=None):
+        """Each prompt token's log-probability given the tokens before it, its rank and the ``top`` most likely
+        (:func:`attnx.runtime.core.prompt_logprobs.score`: a prefill in chunks)."""
+        from attnx.runtime.core.prompt_logprobs import score
+
+        return score(self, prompt, top, context, chunk, stop)
+
+    def fresh(self, prompt: Sequence[int], context: Mapping[str, np.ndarray] | None = None):
+        """A prompt's ids ``[1, n]`` (checked against the positions and the vocabulary) and the state before it."""
         ids = np.asarray(prompt, dtype=np.int64).reshape(1, -1)
         if ids.shape[1] == 0:
             raise InputError("the prompt has no tokens")
@@ -360,11 +383,8 @@ class Decoder:
         if self.vocab_size is not None and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise InputError(f"token id {int(ids.max() if ids.max() >= self.vocab_size else ids.min())} is outside "
                              f"the model's vocabulary [0, {self.vocab_size})")
-        state = DecodeState(self._empty(1), np.zeros((1, 1), np.int64), np.zeros(1, np.int64),
-                            self.context_row(context))
-        feeds = self._feeds(state, ids, np.ones_like(ids))
-        logits, state = self._advance(state, feeds, np.array([ids.shape[1]]), validate=True)
-        return logits[0], state
+        return ids, DecodeState(self._empty(1), np.zeros((1, 1), np.int64), np.zeros(1, np.int64),
+                                self.context_row(context))
 
     def step(self, state: DecodeState, tokens: Sequence[int]):
         """One new token per row: ``(logits [rows, vocab], the state after it)``."""
