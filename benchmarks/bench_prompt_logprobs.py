@@ -109,6 +109,8 @@ def decode_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
 
 
 def main() -> None:
+    from attnx.runtime.core.prompt_logprobs import score
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -137,8 +139,8 @@ def main() -> None:
 
     dec = decoders["new"]
     long = np.random.default_rng(1).integers(5, vocab, PROMPT_TOKENS).tolist()
-    dec.prompt_logprobs(long, top=1)  # warm-up
-    timing = timed(max(3, args.rounds // 2), ("score", lambda: dec.prompt_logprobs(long, top=1)),
+    score(dec, long, top=1)  # warm-up
+    timing = timed(max(3, args.rounds // 2), ("score", lambda: score(dec, long, top=1)),
                    ("prefill", lambda: dec.start(long)))
     prompt = {"score_s": round(statistics.median(timing["score"]), 3),
               "prefill_s": round(statistics.median(timing["prefill"]), 3),

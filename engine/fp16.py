@@ -74,7 +74,7 @@ def ensure_fp16(path: str | os.PathLike, output: str | os.PathLike | None = None
     updated. An existing conversion of the same source (sha256 recorded in
     ``attnx.fp16_source_sha256``) is reused."""
     from attnx.export import onnx_file
-    from attnx.export.exporter import save_model, write_info
+    from attnx.export.saving import save_model, write_info
     from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
 
     src = Path(path)

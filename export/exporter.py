@@ -48,6 +48,7 @@ from attnx.export.protocol import check_exportable, is_cached
 from attnx.export.type_promotion import promotion_from_the_trace
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
+from attnx.export.saving import save_model, write_info  # noqa: F401  (their home before; quantize, fp16 use saving)
 from attnx.export.staging import Staging, check_room
 from attnx.export.streaming import bind_initializers
 from attnx.models.attention import attention_path
@@ -280,28 +281,6 @@ def build_graph(model, inputs, outputs, *, lowering: str, opset: int, profiles: 
     graph.ir_version = min(graph.ir_version, IR_VERSION) if graph.ir_version else IR_VERSION
     graph.producer_name, graph.producer_version = "attnx", attnx.__version__
     return graph, profiles
-
-
-def write_info(model, info: ModelInfo) -> None:
-    """``info`` as the ``attnx.*`` metadata of an onnx-ir model (other keys kept)."""
-    props = model.metadata_props
-    for key in [k for k in props if k.startswith(PREFIX)]:
-        del props[key]
-    props.update(info.to_props())
-
-
-def save_model(model, path: Path, progress: Callable[[int, int], None] | None = None, *,
-               external: bool | None = None) -> list[Path]:
-    """Write an ``onnx.ModelProto`` or onnx-ir model to ``path`` as a whole (staged, then renamed; a
-    previous ``<name>.data`` replaced or removed), its weights streamed (:func:`attnx.export.onnx_file.save`;
-    ``external``: as there, None = by size)."""
-    path = Path(path)
-    if isinstance(model, onnx.ModelProto):
-        model = onnx_file.from_proto(model)
-    with Staging(path, owned={path.name + ".data"}) as stage:
-        written = onnx_file.save(model, stage.path(path.name), progress=progress, external=external)
-        stage.commit()
-    return [path.with_name(p.name) for p in written]
 
 
 def _entries(values, specs: dict) -> list[TensorEntry]:

@@ -362,7 +362,7 @@ def quantize_file(src, dst, smoothing: bool = True, weight_bits: int = 7) -> int
     from pathlib import Path
 
     from attnx.contract import ModelInfo, load_onnx
-    from attnx.export.exporter import save_model
+    from attnx.export.saving import save_model
 
     _check_bits(weight_bits)
     model = load_onnx(src, with_data=True)

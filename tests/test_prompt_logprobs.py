@@ -27,7 +27,7 @@ transformers.logging.set_verbosity_error()
 
 from attnx.runtime import BatcherConfig, load  # noqa: E402
 from attnx.runtime.core.decoding import Decoder  # noqa: E402
-from attnx.runtime.core.prompt_logprobs import NoPromptLogits  # noqa: E402
+from attnx.runtime.core.prompt_logprobs import NoPromptLogits, score  # noqa: E402
 
 CONTEXT, CONTINUATION = "the cat sat on the", " mat and looked at the door"
 PROMPTS = ["the cat sat on the mat", "a dog ran after the ball in the park and then"]
@@ -167,7 +167,7 @@ def test_prompt_logprobs_equal_transformers_across_chunks(llm, hf, chunk, capfd)
     model, _ = hf
     ids = np.random.default_rng(3).integers(0, model.config.vocab_size, 40).tolist()
     capfd.readouterr()
-    scored = Decoder(load(llm, device="cpu")).prompt_logprobs(ids, top=5, chunk=chunk)
+    scored = score(Decoder(load(llm, device="cpu")), ids, top=5, chunk=chunk)
     assert "onnxruntime" not in capfd.readouterr().err
     want, rows = prompt_rows(model, ids)
     assert scored.tokens == ids and scored.logprobs.shape == (len(ids) - 1,)
@@ -176,12 +176,12 @@ def test_prompt_logprobs_equal_transformers_across_chunks(llm, hf, chunk, capfd)
     for top, row in zip(scored.top, rows):
         assert [t for t, _ in top] == np.argsort(-row, kind="stable")[:5].tolist()
         np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:5], atol=1e-4)
-    assert Decoder(load(llm, device="cpu")).prompt_logprobs(ids[:1]).logprobs.shape == (0,)
+    assert score(Decoder(load(llm, device="cpu")), ids[:1]).logprobs.shape == (0,)
 
 
 def test_a_file_without_the_input_says_so_in_one_line(old):
     with pytest.raises(NoPromptLogits, match="re-export it with this attnx") as e:
-        Decoder(load(old, device="cpu")).prompt_logprobs([1, 2, 3])
+        score(Decoder(load(old, device="cpu")), [1, 2, 3])
     assert "\n" not in str(e.value)
 
 

@@ -23,7 +23,7 @@ host. Only a batch that changes (:meth:`Decoder.merge`, :meth:`Decoder.select`) 
 That is the step-level batching of :mod:`attnx.runtime.core.scheduler`: a batch of rows decodes one token each
 per run, a row that finishes leaves, a request that arrives joins after its prefill.
 
-:meth:`Decoder.prompt_logprobs` scores a prompt instead, by a prefill in chunks that feed ``logits_to_keep``
+:func:`attnx.runtime.core.prompt_logprobs.score` scores a prompt instead, by a prefill in chunks that feed ``logits_to_keep``
 (:mod:`attnx.runtime.core.prompt_logprobs`); the steps above never feed it (the file's default: the last position).
 """
 
@@ -364,14 +364,6 @@ class Decoder:
         feeds = self._feeds(state, ids, np.ones_like(ids))
         logits, state = self._advance(state, feeds, np.array([ids.shape[1]]), validate=True)
         return logits[0], state
-
-    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0, context: Mapping[str, np.ndarray] | None = None,
-                        chunk: int | None = None, stop=None):
-        """Each prompt token's log-probability given the tokens before it, its rank and the ``top`` most likely
-        (:func:`attnx.runtime.core.prompt_logprobs.score`: a prefill in chunks)."""
-        from attnx.runtime.core.prompt_logprobs import score
-
-        return score(self, prompt, top, context, chunk, stop)
 
     def fresh(self, prompt: Sequence[int], context: Mapping[str, np.ndarray] | None = None):
         """A prompt's ids ``[1, n]`` (checked against the positions and the vocabulary) and the state before it."""
