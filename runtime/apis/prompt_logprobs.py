@@ -31,6 +31,7 @@ import threading
 from typing import Any, Callable
 
 from attnx.runtime.core.prompt_logprobs import NoPromptLogits, PromptLogprobs, keep_input, why_not
+from attnx.runtime.core.prompt_logprobs import score as score_prompt
 from attnx.runtime.core.session import InputError
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, overloaded
 
@@ -71,7 +72,7 @@ async def score(model, prompts: list[list[int]], top: int, context, request, par
         raise overloaded(f"model {model.name!r}: {scoring.pending} prompts waiting to be scored (at most "
                          f"{model.max_queue}); retry later")
     gone, loop = threading.Event(), asyncio.get_running_loop()
-    jobs = [loop.run_in_executor(scoring.pool, functools.partial(model.decoder.prompt_logprobs, ids, top, context,
+    jobs = [loop.run_in_executor(scoring.pool, functools.partial(score_prompt, model.decoder, ids, top, context,
                                                                  model.prompt_chunk, gone.is_set)) for ids in prompts]
     scoring.pending += len(jobs)
     for job in jobs:  # counted on the loop's thread only
