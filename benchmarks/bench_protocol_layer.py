@@ -68,7 +68,7 @@ def kserve_server_main(argv: list[str]) -> None:
     from kserve.utils.numpy_codec import from_np_dtype
 
     from attnx.runtime import BatcherConfig, DynamicBatcher, InputError, load
-    from attnx.runtime.apis.kserve_tensors import triton_dtype
+    from attnx.runtime.serving.signature import triton_dtype
     from attnx.runtime.core.text import TextTokenizer, decode_text, stack_rows, text_feeds
 
     class AttnxModel(kserve.Model):

@@ -124,7 +124,7 @@ def specs_from_metadata(meta: dict):
     import numpy as np
 
     from attnx.contract import BATCH, SEQ, default_role
-    from attnx.runtime.apis.kserve_tensors import TRITON_TO_NUMPY
+    from attnx.runtime.serving.signature import TRITON_TO_NUMPY
     from attnx.runtime.core.session import TensorSpec
 
     specs = []

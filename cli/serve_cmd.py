@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         batching that pads requests of different lengths; text in for models with a tokenizer."""
         from rich.markup import escape
 
-        from attnx.runtime.apis.encoding import Dimensions
+        from attnx.runtime.serving.encoding import Dimensions
         from attnx.runtime.core.axes import AxisError, AxisFlags
         from attnx.runtime.server import InferenceServer, check_ports
         from attnx.runtime.wire.auth import ENV_VAR

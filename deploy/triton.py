@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from attnx.contract import Role
 from attnx.runtime.core.session import TensorSpec
 # The config itself is the server's too (GET /v2/models/{m}/config); deploy writes and checks it.
-from attnx.runtime.apis.model_config import ConfigError, Enum, model_config  # noqa: F401 (model_config: deploy's too)
+from attnx.runtime.serving.model_config import ConfigError, Enum, model_config  # noqa: F401 (model_config: deploy's too)
 
 PLATFORMS = {".onnx": ("onnxruntime_onnx", "onnxruntime", "model.onnx"),
              ".engine": ("tensorrt_plan", "tensorrt", "model.plan"),

@@ -1,22 +1,28 @@
 """attnx runtime, the serving stack: load a model once, run it many times, batch concurrent requests, serve it.
 
-Three layers, each a package:
+Four layers, each a package (bottom first; checked: pyproject's ``runtime-layers`` contract):
 
 - ``core/``: running models, no network: sessions and their backends (``session``, ``backends/``, ``axes``,
   ``model_checks``), the dynamic batcher (``batcher``, ``layout``, ``pacing``), text (``text``, ``pooling``,
   ``labels``, ``encode``: embedded use), generation (``decoding``, ``sampling``, ``generate``, ``detokenize``,
-  ``scheduler``, ``chat``: chat templates in a worker process).
-- ``wire/``: what every request goes through: the error taxonomy and one status table per wire shape
+  ``scheduler``, ``chat``: chat templates in a worker process), the error taxonomy its refusals carry (``errors``).
+- ``wire/``: what every request goes through: one status table per wire shape
   (``errors``), the one envelope (``envelope``), limits and the worker policy (``limits``), the byte budget
   (``budget``), raw-JSON counts (``counts``), the HTTP app (``http``), the gRPC front end (``grpc``), connection
   bounds (``http_guard``), ``auth``, ``metrics``.
-- ``apis/``: the served APIs over one model registry (``registry``) and typed requests (``requests``): KServe v2
-  over HTTP and gRPC (``kserve``, ``kserve_grpc``, ``kserve_tensors``, ``kserve_json``), OpenAI (``openai``,
-  ``completions``), TEI (``tei``, ``tei_grpc`` with ``tei.proto``), rerank and classify (``scoring``,
-  ``encoding``), Triton generate (``generate``, ``generation``), attention pages (``explain``).
+- ``serving/``: the served models: what each provides (``model``: the ``ServedModel`` protocol), the one registry
+  and its admission rules (``registry``), the encoder model (``encoder``), its KServe signature (``signature``) and
+  Triton config (``model_config``), the encoding service of every embedding and scoring API (``encoding``), the
+  text generator model and its prompts, parameters and streams (``generation``), and what the routes share
+  (``state``).
+- ``apis/``: the served APIs over the registry, with typed requests (``requests``): KServe v2 over HTTP and gRPC
+  (``kserve``, ``kserve_grpc``, ``kserve_tensors``, ``kserve_json``), OpenAI (``openai``, ``completions``), TEI
+  (``tei``, ``tei_grpc`` with ``tei.proto``), rerank and classify (``scoring``), Triton generate (``generate``),
+  vLLM's tokenize (``tokenize``), attention pages (``explain``).
 
-``server`` assembles them (:class:`InferenceServer`, ``attnx serve``). Offline tooling lives elsewhere: engines in
-:mod:`attnx.engine`, parity in :mod:`attnx.parity`, Triton repositories and load tests in :mod:`attnx.deploy`.
+``server`` assembles them (:class:`InferenceServer`, ``attnx serve``) from ``config``
+(:class:`~attnx.runtime.config.ServingConfig`). Offline tooling lives elsewhere: engines in :mod:`attnx.engine`,
+parity in :mod:`attnx.parity`, Triton repositories and load tests in :mod:`attnx.deploy`.
 
 Public names (see docs/embedding.md for a service embedding them):
 

@@ -2,13 +2,15 @@
 
 ``core/`` runs models (sessions, the dynamic batcher, tokenising, generation); ``wire/`` is what every request
 goes through (the error taxonomy and its status tables, the envelope, limits and the worker policy, the HTTP
-app, the gRPC front end, API key, metrics); ``apis/`` are the served APIs over one model registry. Shutdown
+app, the gRPC front end, API key, metrics); ``serving/`` is the served models (their protocol, the registry, the
+encoder model, the encoding service, the routes' shared state); ``apis/`` are the served APIs over them. Shutdown
 (Ctrl-C, SIGTERM or :meth:`InferenceServer.stop`) stops accepting connections, lets in-flight requests
 finish, then drains and closes the models.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -21,9 +23,6 @@ import uvicorn
 from fastapi.openapi.utils import get_openapi
 
 from attnx.runtime.apis import completions, explain, generate, kserve, openai, scoring, tei, tokenize
-from attnx.runtime.apis.encoding import Dimensions
-from attnx.runtime.apis.generation import GenerationModel, is_generator
-from attnx.runtime.apis.registry import ModelRegistry, ServedModel
 from attnx.runtime.apis.requests import openapi_schemas
 from attnx.runtime.config import ServingConfig
 from attnx.runtime.core.batcher import DynamicBatcher
@@ -31,9 +30,15 @@ from attnx.runtime.core.chat import Renderer
 from attnx.runtime.core.loading import load
 from attnx.runtime.core.session import Session
 from attnx.runtime.core.text import TextTokenizer, prepare_text_model
+from attnx.runtime.serving.encoder import EncoderModel
+from attnx.runtime.serving.encoding import Dimensions
+from attnx.runtime.serving.generation import GenerationModel, is_generator
+from attnx.runtime.serving.model import ServedModel
+from attnx.runtime.serving.registry import ModelRegistry
+from attnx.runtime.serving.state import Serving
 from attnx.runtime.wire.auth import ApiKey, ApiKeyMiddleware, GrpcApiKeyInterceptor
 from attnx.runtime.wire.envelope import Envelope
-from attnx.runtime.wire.http import Serving, create_app
+from attnx.runtime.wire.http import create_app
 from attnx.runtime.wire.http_guard import protocol_class
 from attnx.runtime.wire.limits import ByteBudget, Workers
 from attnx.runtime.wire.metrics import ServerMetrics
@@ -104,7 +109,7 @@ class InferenceServer:
     (:class:`~attnx.runtime.config.ServingConfig`, default ``attnx serve``'s): every setting; ``port=0`` takes a
     free port (bound here: no race). Per model, beside it: ``tokenizers`` (model names, or ``None``: every model
     -> a tokenizer folder, for files that carry none), ``axes`` (:class:`~attnx.runtime.core.axes.AxisFlags`:
-    axes the file does not name), ``dimensions`` (:class:`~attnx.runtime.apis.encoding.Dimensions`: which
+    axes the file does not name), ``dimensions`` (:class:`~attnx.runtime.serving.encoding.Dimensions`: which
     embedders may be cut shorter). ``on_warning`` hears start-up warnings (default: the ``attnx.serve`` logger).
     :attr:`app` is the ASGI app (Ray Serve and other hosts mount it).
     """
@@ -131,8 +136,8 @@ class InferenceServer:
             raise
         for message in self.warnings:
             (on_warning or logging.getLogger("attnx.serve").warning)(message)
-        self.state = Serving(self.registry, Envelope(self.registry, self.metrics, self.limits, self.budget, Workers()),
-                             self.metrics, self.limits, dimensions or Dimensions(), list(EXTENSIONS), chat=self.chat,
+        self.state = Serving(self.registry, Envelope(self.metrics, self.limits, self.budget, Workers()), self.metrics,
+                             self.limits, self.chat, dimensions or Dimensions(), list(EXTENSIONS),
                              string_cap=_string_cap(self.registry))
         self.app = create_app(self.state, ROUTERS, on_shutdown=self._on_shutdown, openapi=_openapi)
         if key is not None:
@@ -170,11 +175,11 @@ class InferenceServer:
                     session = prepare_text_model(session, tokenizer, folder, self.warnings.append)
                 batcher = DynamicBatcher(session, self.batching, observer=self.metrics.observer(name), name=name,
                                          pad_id=tokenizer.pad_id if tokenizer is not None else None)
-                self.registry.add(ServedModel(name, session, batcher, limits=self.limits, tokenizer=tokenizer))
+                self.registry.add(EncoderModel(name, session, batcher, limits=self.limits, tokenizer=tokenizer))
                 if not batcher.layout.can_batch and self.batching.max_batch_size > 1:
                     self.warnings.append(f"model {name!r}: {batcher.layout.verdict()}")
             served = self.registry.models[name]
-            self.metrics.queue_depth.labels(model=name).set_function(lambda m=served: m.queue_depth)
+            self.metrics.queue_depth.labels(model=name).set_function(functools.partial(_queue_depth, served))
 
     def _on_shutdown(self) -> None:
         """Before the models close: gRPC stops, generations in progress finish."""
@@ -189,7 +194,7 @@ class InferenceServer:
         return "\n".join(line for m in self.registry.models.values() for line in m.describe())
 
     @property
-    def models(self) -> dict[str, Any]:
+    def models(self) -> dict[str, ServedModel]:
         """Every served model by name (encoders and text generators)."""
         return self.registry.models
 
@@ -286,10 +291,15 @@ class InferenceServer:
         self.stop()
 
 
+def _queue_depth(model: ServedModel) -> int:
+    return model.queue_depth
+
+
 def _string_cap(registry: ModelRegistry) -> int | None:
     """The most characters any served model reads of one text (None: some model states no limit)."""
     caps = [m.tokenizer.char_cap for m in registry.models.values() if m.tokenizer is not None]
-    return max(caps) if caps and None not in caps else None
+    known = [c for c in caps if c is not None]
+    return max(known) if known and len(known) == len(caps) else None
 
 
 def _openapi(app) -> dict:

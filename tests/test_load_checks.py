@@ -90,7 +90,7 @@ def tampered(src: Path, folder: Path, change) -> Path:
 
 def _tokenizer(**values):
     def change(info):
-        info.tokenizer = {**info.tokenizer, **values}
+        info.tokenizer = {**info.tokenizer.to_json(), **values}  # written unchecked: the load must refuse it
     return change
 
 

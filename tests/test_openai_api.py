@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from attnx.runtime import BatcherConfig, load
-from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.serving.encoding import Dimensions
 from attnx.runtime.wire.metrics import histogram_counts
 from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, GatedSession, cosine_rows, long_text, running_server

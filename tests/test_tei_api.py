@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnx.runtime import load
-from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.serving.encoding import Dimensions
 from attnx.runtime.wire.limits import Limits
 from conftest_runtime import EXPORT_KW, cosine_rows, long_text, running_server
 from support import exports

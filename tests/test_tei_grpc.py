@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from attnx.runtime.apis.encoding import Dimensions
+from attnx.runtime.serving.encoding import Dimensions
 from attnx.runtime.wire.limits import Limits
 from conftest_runtime import cosine_rows, long_text, running_server
 from support import exports

@@ -36,9 +36,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from attnx.runtime.apis import prompt_logprobs
-from attnx.runtime.apis.generation import (Completion, GenerationModel, check_choices, check_max_tokens, complete,
-                                           pieces, response_grammar, sampling)
 from attnx.runtime.apis.requests import ChatRequest, CompletionRequest, items, openapi_body, parse
+from attnx.runtime.serving.generation import (Completion, GenerationModel, check_choices, check_max_tokens, complete,
+                                              pieces, response_grammar, sampling)
 from attnx.runtime.serving.model import GENERATE
 from attnx.runtime.serving.state import Serving, serving
 from attnx.runtime.wire.envelope import Call

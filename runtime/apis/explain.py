@@ -20,14 +20,16 @@ import weakref
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from attnx.contract import ContractError, contained
-from attnx.runtime.apis.registry import INFER
+from attnx.contract import ContractError
+from attnx.explain.source import Source
 from attnx.runtime.core.batcher import BatcherClosedError, QueueFullError, RequestTimeoutError
 from attnx.runtime.core.decoding import source_info
 from attnx.runtime.core.session import InputError
+from attnx.runtime.serving.model import INFER
+from attnx.runtime.serving.registry import ModelRegistry
+from attnx.runtime.serving.state import serving
 from attnx.runtime.wire.envelope import error_response
-from attnx.runtime.wire.errors import KSERVE, Kind, ProtocolError, bad_input
-from attnx.runtime.wire.http import serving
+from attnx.runtime.wire.errors import KSERVE, ProtocolError, bad_input
 
 #: Longest text the page accepts (characters); the tokenizer truncates to the model's max length anyway.
 MAX_TEXT_CHARS = 20_000
@@ -45,40 +47,34 @@ class _Explainable:
         self.info = info
         self.facts = model_facts(info, model.name)
         self.facts.require_patterns()
-        if not info.tokenizer:
+        if info.tokenizer is None:
             raise ExplainError(f"model {model.name!r} takes {', '.join(info.input_names)}, not text: the page "
                                "needs a model exported with its tokenizer (--from-pretrained)")
-        tok_dir = contained(source.parent, info.tokenizer["dir"], "the tokenizer folder named by attnx.tokenizer")
-        self.tokenizer_path = tok_dir / info.tokenizer.get("file", "tokenizer.json")
+        self.tokenizer_path = info.tokenizer.path(source.parent)
         self.encoder = TextEncoder.from_file(self.tokenizer_path, info.tokenizer, info.input_names)
 
 
-class _BatcherSource:
+class _BatcherSource(Source):
     """:class:`attnx.explain.source.Source` over a served model's batcher (the deployed model itself)."""
 
     def __init__(self, model, explainable: _Explainable):
-        self.model, self.facts, self.encoder = model, explainable.facts, explainable.encoder
-        self.label = f"served {model.session.provider}"
+        super().__init__(explainable.facts, explainable.encoder, f"served {model.session.provider}")
+        self.model = model
 
     def run(self, feeds, outputs):
         return self.model.batcher.infer(dict(feeds), output_names=list(outputs))
-
-    def require_text(self):
-        return self.encoder
 
 
 router = APIRouter(tags=["Attention pages"])
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> {model name: _Explainable}
 
 
-def explainable(registry, name: str) -> _Explainable:
+def explainable(registry: ModelRegistry, name: str) -> _Explainable:
     from attnx.explain.source import ExplainError
 
-    model = registry.get(name)  # 404 for an unknown model
+    model = registry.resolve(name, INFER, path=True)  # 404 for an unknown model, 400 for a text generator
     cache = _CACHE.setdefault(registry, {})
     if name not in cache:
-        if INFER not in model.capabilities:
-            raise bad_input(f"model {name!r} generates text; its attention is not served as a page")
         try:
             cache[name] = _Explainable(model)
         except (ExplainError, ContractError, FileNotFoundError) as e:
@@ -135,7 +131,7 @@ async def explain_page(name: str, request: Request, text: str = "The cat sat on 
         except (ExplainError, InputError) as e:
             raise bad_input(str(e)) from None
         except (QueueFullError, BatcherClosedError, RequestTimeoutError) as e:
-            raise ProtocolError(Kind.OVERLOADED, str(e)) from None
+            raise e.refused() from None  # its own kind: all 503 on this page's KServe shape
         page = await asyncio.to_thread(explanation_page, result, title=f"attention: {name} (served)",
                                        form_action=f"/explain/{name}")
         return HTMLResponse(page)

@@ -14,20 +14,20 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from attnx.runtime.apis.completions import SSE_HEADERS
-from attnx.runtime.apis.generation import GenerationModel, check_choices, check_room, complete, pieces, sampling
-from attnx.runtime.apis.registry import GENERATE
 from attnx.runtime.apis.requests import GenerateRequest, openapi_body, parse
+from attnx.runtime.core.generate import Piece
+from attnx.runtime.serving.generation import GenerationModel, check_choices, check_max_tokens, complete, pieces, \
+    sampling
+from attnx.runtime.serving.model import GENERATE
+from attnx.runtime.serving.state import Serving, serving
 from attnx.runtime.wire.envelope import Call
 from attnx.runtime.wire.errors import KSERVE, ProtocolError, bad_input
-from attnx.runtime.wire.http import Serving, serving
 
 router = APIRouter(tags=["Triton generate"])
 
 
 async def _parse(s: Serving, call: Call, request: Request, name: str, version: str | None):
-    model = call.named(s.registry.get(name, version))
-    if GENERATE not in model.capabilities:
-        raise bad_input(model.unfit(GENERATE), "model")
+    model = call.named(s.registry.resolve(name, GENERATE, version, path=True))
     body = await s.envelope.body(request, call, lambda raw: parse(GenerateRequest, raw, s.string_cap),
                                  counts="prompts")
     text = body.text_input
@@ -36,7 +36,7 @@ async def _parse(s: Serving, call: Call, request: Request, name: str, version: s
             raise bad_input(f"'text_input' must be one string, got {len(text)}", "text_input")
         text = text[0]
     ids = await model.prompt_ids(text, s.envelope.workers, "text_input")
-    check_room(model, len(ids), body, "max_tokens")
+    check_max_tokens(model, len(ids), body, "max_tokens")
     check_choices(model, 1)
     return model, ids, sampling(body, model.new_tokens(body.max_tokens or 16)), model.context(body.context)
 
@@ -72,7 +72,7 @@ async def generate_stream(name: str, request: Request, version: str | None = Non
 
         async def events():
             try:
-                piece = first
+                piece: Piece | None = first
                 while piece is not None:
                     if piece.text or piece.finish_reason:
                         event = _answer(model, text_output=piece.text)

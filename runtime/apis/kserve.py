@@ -16,13 +16,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from attnx.runtime.apis import kserve_json as codec
 from attnx.runtime.apis.kserve_tensors import InferRequest
-from attnx.runtime.apis.registry import INFER, ServedModel, check_room, input_error
 from attnx.runtime.apis.requests import InferBody, openapi_body
 from attnx.runtime.core.session import InputError
 from attnx.runtime.core.text import TEXT_INPUT, context_rows, stack_rows, text_feeds
+from attnx.runtime.serving.encoder import EncoderModel
+from attnx.runtime.serving.model import INFER
+from attnx.runtime.serving.registry import check_queue_room
+from attnx.runtime.serving.state import Serving, serving
 from attnx.runtime.wire.envelope import error_response
-from attnx.runtime.wire.errors import KSERVE, ProtocolError, bad_input
-from attnx.runtime.wire.http import Serving, serving
+from attnx.runtime.wire.errors import KSERVE, ProtocolError
 from attnx.runtime.wire.metrics import CONTENT_TYPE_LATEST
 
 #: All-JSON answers with more output bytes than this are streamed in pieces.
@@ -93,9 +95,7 @@ async def prometheus(request: Request):
 @router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=openapi_body(InferBody))
 async def infer(name: str, request: Request, version: str | None = None):
     async def work(s: Serving, call) -> Response:
-        model = call.named(s.registry.get(name, version))
-        if INFER not in model.capabilities:
-            raise bad_input(f"model {name!r} generates text: use /v2/models/{name}/generate")
+        model = call.named(s.registry.resolve(name, INFER, version, path=True))
         encoding = request.headers.get("content-encoding")
         header = request.headers.get("inference-header-content-length")
 
@@ -112,29 +112,29 @@ async def infer(name: str, request: Request, version: str | None = None):
     return await s.envelope.http(request, KSERVE, lambda call: work(s, call))
 
 
-async def run(s: Serving, model: ServedModel, request: InferRequest) -> dict[str, np.ndarray]:
+async def run(s: Serving, model: EncoderModel, request: InferRequest) -> dict[str, np.ndarray]:
     """One checked KServe request through the model's batcher (HTTP and gRPC); the outputs asked for."""
     if request.texts is None:
         (outputs,) = await model.run_rows([request.feeds], request.outputs, request.timeout_ms, texts=False)
         return outputs
-    texts, pairs = request.texts, request.pairs
-    check_room(model, len(texts))  # before tokenising: more texts than the queue ever holds is a 413
+    texts, pairs, tok = request.texts, request.pairs, model.text_tokenizer()  # texts: a model with a text input
+    check_queue_room(model, len(texts))  # before tokenising: more texts than the queue ever holds is a 413
     if pairs is not None:  # (text, text_pair) rows: a cross-encoder's (query, document)
-        tokenize = functools.partial(model.tokenizer.tokenize_pairs, list(zip(texts, pairs)), truncate=request.truncate)
+        tokenize = functools.partial(tok.tokenize_pairs, list(zip(texts, pairs)), truncate=request.truncate)
     else:
-        tokenize = functools.partial(model.tokenizer.tokenize, texts, truncate=request.truncate)
+        tokenize = functools.partial(tok.tokenize, texts, truncate=request.truncate)
     try:
         encoded = await s.envelope.workers.run(tokenize, cost=sum(map(len, texts)) + sum(map(len, pairs or ())))
         s.limits.check_tokens(sum(e.length for e in encoded))
         contexts = context_rows(model.session.inputs, request.feeds, len(texts))
         feeds = [text_feeds(model.session.inputs, e, c) for e, c in zip(encoded, contexts)]
     except InputError as e:
-        raise input_error(e, f"input {TEXT_INPUT!r}: ") from None
+        raise e.refused(f"input {TEXT_INPUT!r}: ") from None
     parts = await model.run_rows(feeds, request.outputs, request.timeout_ms)
     return stack_rows(parts, model.session.outputs)
 
 
-async def _response(s: Serving, model: ServedModel, parsed: InferRequest, outputs: dict) -> Response:
+async def _response(s: Serving, model: EncoderModel, parsed: InferRequest, outputs: dict) -> Response:
     size = sum(a.nbytes for a in outputs.values())
     if size > _STREAM_JSON_BYTES:
         pieces = codec.stream_json_response(model.name, model.version, parsed, outputs, model.session.output_names)

@@ -14,9 +14,11 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from attnx.runtime.apis import kserve_tensors as proto
 from attnx.runtime.apis.kserve import run
-from attnx.runtime.apis.registry import INFER, ServedModel
+from attnx.runtime.serving.encoder import EncoderModel
+from attnx.runtime.serving.model import INFER
+from attnx.runtime.serving.signature import triton_dtype
+from attnx.runtime.serving.state import Serving
 from attnx.runtime.wire.errors import GRPC, bad_input
-from attnx.runtime.wire.http import Serving
 
 
 #: Protocol datatype -> the typed field of ``InferTensorContents`` that carries it (FP16: raw only).
@@ -105,9 +107,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             for m in self.s.registry.models.values()])
 
     async def _ModelInfer(self, request, context, call):
-        model = call.named(self.s.registry.get(request.model_name, request.model_version))
-        if INFER not in model.capabilities:
-            raise bad_input(f"model {model.name!r} generates text: use /v2/models/{model.name}/generate over HTTP")
+        model = call.named(self.s.registry.resolve(request.model_name, INFER, request.model_version, path=True))
         async with self.s.envelope.admitted(model):  # a full queue refuses before anything is decoded
             # The message arrived whole before this ran: its bytes are charged as held (never waiting for room, so
             # an HTTP body never waits on a gRPC one that is queued), and decoded on the worker when big.
@@ -121,7 +121,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return encode_response(model, parsed, outputs)
 
 
-def encode_response(model: ServedModel, request: proto.InferRequest, outputs: dict[str, np.ndarray]):
+def encode_response(model: EncoderModel, request: proto.InferRequest, outputs: dict[str, np.ndarray]):
     """A ``ModelInferResponse`` with the asked-for outputs as ``raw_output_contents``."""
     names = request.outputs if request.outputs is not None else [n for n in model.session.output_names
                                                                  if n in outputs]
@@ -129,7 +129,7 @@ def encode_response(model: ServedModel, request: proto.InferRequest, outputs: di
     entries, raw = [], []
     for name in names:
         arr = np.asarray(outputs[name])
-        entries.append(tensor(name=name, datatype=proto.triton_dtype(arr.dtype), shape=list(arr.shape)))
+        entries.append(tensor(name=name, datatype=triton_dtype(arr.dtype), shape=list(arr.shape)))
         raw.append(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes())
     return service_pb2.ModelInferResponse(model_name=model.name, model_version=model.version,
                                           id=request.id or "", outputs=entries, raw_output_contents=raw)

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import orjson
 
-from attnx.runtime.apis.kserve_tensors import InferRequest, ModelSignature, WireTensor, build_infer_request, \
-    triton_dtype
+from attnx.runtime.apis.kserve_tensors import InferRequest, WireTensor, build_infer_request
+from attnx.runtime.serving.signature import ModelSignature, triton_dtype
 from attnx.runtime.wire.counts import check_json
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, too_large
 from attnx.runtime.wire.limits import Limits
@@ -149,7 +149,7 @@ def parse_json(part) -> Any:
 #: Float inputs whose numbers are stored straight into their own dtype, slice by slice: no float64 copy
 #: of the whole tensor (a value past the dtype's range becomes inf there, which the finite check refuses,
 #: as the cast after a float64 parse did). Integers stay int64 so out-of-range values are still caught.
-_NARROW = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}
+_NARROW: dict[str, np.dtype] = {"FP32": np.dtype(np.float32), "FP16": np.dtype(np.float16)}
 
 
 def _decode_numbers(part, start: int, end: int, narrow: np.dtype | None = None) -> np.ndarray | None:
@@ -207,7 +207,10 @@ def parse_infer_request(body: bytes, header_length: str | None, sig: ModelSignat
         params = item.get("parameters", {})
         if not isinstance(params, dict):
             raise bad_input(f"input {name!r}: 'parameters' must be an object")
-        tensor = WireTensor(name, item.get("datatype"), item.get("shape"), params)
+        datatype = item.get("datatype")
+        if not isinstance(datatype, str):  # the message kserve_tensors' head check gives a transport's tensor
+            raise bad_input(f"input {name!r}: 'datatype' must be a string")
+        tensor = WireTensor(name, datatype, item.get("shape"), params)
         size = params.get("binary_data_size")
         if size is not None:
             if "data" in item:

@@ -2,7 +2,8 @@
 
 The HTTP codec (:mod:`attnx.runtime.apis.kserve_json`: JSON and the binary tensor extension) and the gRPC
 service (:mod:`attnx.runtime.apis.kserve_grpc`) each turn what arrived into :class:`WireTensor` items;
-:func:`build_infer_request` checks them against the model (:class:`ModelSignature`) and gives an
+:func:`build_infer_request` checks them against the model
+(:class:`~attnx.runtime.serving.signature.ModelSignature`) and gives an
 :class:`InferRequest` of numpy feeds, or of texts for a model with a tokenizer. Everything a client
 sends is validated here, so both transports answer a bad request with the same one-line message
 (HTTP 400, gRPC ``INVALID_ARGUMENT``) before it can reach the model.
@@ -23,83 +24,12 @@ from typing import Any
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, Role
-from attnx.runtime.core.session import ON_REQUEST_OUTPUT, OPTIONAL_ROLES, InputError, TensorSpec
-from attnx.runtime.core.text import TEXT_PAIR_INPUT, TEXT_ROLES, decode_text
+from attnx.runtime.core.session import ON_REQUEST_OUTPUT, InputError, TensorSpec
+from attnx.runtime.core.text import TEXT_PAIR_INPUT, decode_text
+from attnx.runtime.serving.signature import BYTES, TRITON_TO_NUMPY, UNSUPPORTED_DATATYPES, ModelSignature, TextInput, \
+    triton_dtype
 from attnx.runtime.wire.errors import bad_input
 from attnx.runtime.wire.limits import Limits
-
-#: Protocol datatype strings <-> numpy (little-endian on the wire). ``BYTES`` is text, handled apart.
-TRITON_TO_NUMPY: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype("<u1"),
-    "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"),
-    "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"),
-    "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"),
-    "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"),
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
-BYTES = "BYTES"
-#: Valid in the protocol, but no attnx model takes them.
-UNSUPPORTED_DATATYPES = {"BF16"}
-
-
-def triton_dtype(dtype: np.dtype) -> str:
-    """numpy dtype -> protocol datatype string ("FP32", "INT64", ...)."""
-    d = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
-    for name, np_dtype in TRITON_TO_NUMPY.items():
-        if np_dtype == d:
-            return name
-    raise ValueError(f"no protocol datatype for {dtype}")
-
-
-def tensor_metadata(spec: TensorSpec) -> dict:
-    """A tensor in model metadata: dims -1 where dynamic (batch included, as Triton does)."""
-    return {"name": spec.name, "datatype": triton_dtype(spec.dtype),
-            "shape": [d if isinstance(d, int) else -1 for d in spec.shape]}
-
-
-@dataclass
-class TextInput:
-    """A model's text input: its name and how it is tokenised (what clients are told)."""
-
-    name: str
-    max_length: int | None
-    truncation_side: str
-    #: the model scores text pairs (a cross-encoder or classifier): it takes ``text_pair`` beside ``text``
-    pairs: bool = False
-
-
-@dataclass
-class ModelSignature:
-    """What the protocol layer needs to know about a model."""
-
-    name: str
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    max_batch_size: int
-    max_seq: int | None = None
-    text: TextInput | None = None
-
-    def input(self, name: str) -> TensorSpec | None:
-        return next((s for s in self.inputs if s.name == name), None)
-
-    @property
-    def optional_inputs(self) -> set[str]:
-        # The attention mask, segment ids and a head mask may be omitted: all ones / zeros / all ones
-        # (no head ablated) then, and so may an input whose metadata gives it a default (see session.py).
-        return {s.name for s in self.inputs
-                if s.role in OPTIONAL_ROLES or s.role == Role.HEAD_MASK or s.default is not None}
-
-    @property
-    def text_filled(self) -> set[str]:
-        """Inputs a text request fills in itself (token ids, mask, segment ids)."""
-        return {s.name for s in self.inputs if s.role in TEXT_ROLES}
-
 
 @dataclass
 class InferRequest:
@@ -274,7 +204,7 @@ def _decode_texts(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[st
     try:
         texts = [decode_text(v, i) for i, v in enumerate(values)]
     except InputError as e:
-        raise bad_input(f"input {t.name!r}: {e}") from None
+        raise e.refused(f"input {t.name!r}: ") from None
     for i, s in enumerate(texts):
         if not s.strip():
             raise bad_input(f"input {t.name!r}: text {i} is empty{' (only whitespace)' if s else ''}")
@@ -298,22 +228,24 @@ def build_infer_request(request_id: Any, params: Any, tensors: list[WireTensor],
     for t in tensors:
         _check_tensor_head(t, sig, feeds, texts)
         if sig.text is not None and (t.name == sig.text.name or t.name == TEXT_PAIR_INPUT and sig.input(t.name) is None):
-            texts[t.name] = _text_tensor(t, sig, limits)
+            texts[t.name] = _text_tensor(t, sig, sig.text, limits)
             continue
         arr = _tensor(t, sig, limits)
         total += arr.size
         if total > limits.max_request_elements:
             raise bad_input(f"request has more than {limits.max_request_elements} elements in total")
         feeds[t.name] = arr
-    text, pairs = (texts.get(sig.text.name), texts.get(TEXT_PAIR_INPUT)) if sig.text is not None else (None, None)
-    if pairs is not None and (text is None or len(pairs) != len(text)):
-        raise bad_input(f"input {TEXT_PAIR_INPUT!r} holds each row's second text: it needs "
-                        + (f"{len(text)} strings, one per text" if text is not None else
-                           f"the text input {sig.text.name!r} beside it"))
+    text = pairs = None
+    if sig.text is not None:
+        text, pairs = texts.get(sig.text.name), texts.get(TEXT_PAIR_INPUT)
+        if pairs is not None and (text is None or len(pairs) != len(text)):
+            raise bad_input(f"input {TEXT_PAIR_INPUT!r} holds each row's second text: it needs "
+                            + (f"{len(text)} strings, one per text" if text is not None else
+                               f"the text input {sig.text.name!r} beside it"))
+        if text is not None and sig.text_filled & set(feeds):
+            raise bad_input(f"send either text ({sig.text.name!r}) or token ids "
+                            f"({sorted(sig.text_filled & set(feeds))}), not both")
     skip = sig.optional_inputs | (sig.text_filled if text is not None else set())
-    if text is not None and sig.text_filled & set(feeds):
-        raise bad_input(f"send either text ({sig.text.name!r}) or token ids ({sorted(sig.text_filled & set(feeds))}), "
-                        f"not both")
     missing = [s.name for s in sig.inputs if s.name not in feeds and s.name not in skip]
     if missing:
         raise bad_input(f"missing input(s) {missing} for model {sig.name!r}")
@@ -352,8 +284,9 @@ def _check_tensor_head(t: WireTensor, sig: ModelSignature, feeds: dict, texts: d
         raise bad_input(f"input {t.name!r}: shared memory is not supported by this server")
 
 
-def _text_tensor(t: WireTensor, sig: ModelSignature, limits: Limits) -> list[str]:
-    if t.name == TEXT_PAIR_INPUT and not sig.text.pairs:
+def _text_tensor(t: WireTensor, sig: ModelSignature, text: TextInput, limits: Limits) -> list[str]:
+    """The text input, or its pair input, of a model with text (``text``: ``sig.text``)."""
+    if t.name == TEXT_PAIR_INPUT and not text.pairs:
         raise bad_input(f"input {t.name!r}: model {sig.name!r} does not score text pairs (an export of a "
                         "sequence-classification model, such as a cross-encoder, does)")
     if t.datatype != BYTES:

@@ -21,12 +21,12 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from attnx.runtime.apis.encoding import encode, full_size, unit_rows
-from attnx.runtime.apis.registry import EMBED
 from attnx.runtime.apis.requests import EmbeddingRequest, items, openapi_body, parse
+from attnx.runtime.serving.encoding import encode, full_size, unit_rows
+from attnx.runtime.serving.model import EMBED
+from attnx.runtime.serving.state import serving
 from attnx.runtime.wire.envelope import error_response
 from attnx.runtime.wire.errors import OPENAI_SHAPE, not_found
-from attnx.runtime.wire.http import serving
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -64,7 +64,7 @@ async def embeddings(request: Request):
     async def work(call) -> Response:
         body = await s.envelope.body(request, call, lambda raw: parse(EmbeddingRequest, raw, s.string_cap),
                                      counts="texts")
-        model = call.named(s.registry.pick(body.model, EMBED))
+        model = call.named(s.registry.resolve(body.model, EMBED))
         full = full_size(model)
         s.dimensions.size(model.name, full, body.dimensions)  # a bad size is refused before anything runs
         result = await encode(model, items(body.input), s.envelope.workers, truncate=body.truncate,

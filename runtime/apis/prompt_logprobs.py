@@ -88,7 +88,7 @@ async def score(model, prompts: list[list[int]], top: int, context, request, par
     except NoPromptLogits as e:
         raise bad_input(str(e), param) from None
     except InputError as e:
-        raise bad_input(str(e), "context" if context else "prompt") from None
+        raise e.refused(param="context" if context else "prompt") from None
     finally:
         gone.set()  # the prompts not scored yet end at their next chunk
         every.cancel()

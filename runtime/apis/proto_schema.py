@@ -99,7 +99,8 @@ def _service(out, service, package: str) -> None:
         if element.output_type.stream:
             method.server_streaming = True
         for option in element.elements:
-            if isinstance(option, ast.Option) and option.name == "idempotency_level":
+            if isinstance(option, ast.Option) and option.name == "idempotency_level" and \
+                    isinstance(option.value, ast.Identifier):  # an enum value's name; anything else: refused below
                 method.options.idempotency_level = descriptor_pb2.MethodOptions.IdempotencyLevel.Value(
                     option.value.name)
             elif not isinstance(option, ast.Comment):

@@ -17,14 +17,15 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from attnx.runtime.apis.encoding import encode
-from attnx.runtime.apis.registry import LOGITS, RERANK, SCORE
 from attnx.runtime.apis.requests import ClassifyRequest, PredictRequest, RerankRequest, TeiRerankRequest, \
     openapi_body, parse, predict_items
 from attnx.runtime.core.labels import sigmoid, softmax
+from attnx.runtime.serving.encoder import LOGITS
+from attnx.runtime.serving.encoding import encode
+from attnx.runtime.serving.model import RERANK, SCORE
+from attnx.runtime.serving.state import Serving, serving
 from attnx.runtime.wire.envelope import Call, error_response
 from attnx.runtime.wire.errors import OPENAI_SHAPE, TEI, ProtocolError, bad_input
-from attnx.runtime.wire.http import Serving, serving
 from attnx.runtime.wire.limits import cut_long_strings
 
 router = APIRouter(tags=["Rerank and classify"])
@@ -85,7 +86,7 @@ async def rerank_route(request: Request) -> Response:
 
 async def rerank(s: Serving, call: Call, body: RerankRequest) -> Response:
     """Cohere's/Jina's rerank: documents by relevance to the query, best first."""
-    model = call.named(s.registry.pick(body.model, RERANK))
+    model = call.named(s.registry.resolve(body.model, RERANK))
     docs = [d["text"] if isinstance(d, dict) else d for d in body.documents]
     result = await encode(model, [(body.query, d) for d in docs], s.envelope.workers, output=LOGITS,
                           truncate=body.truncate, context=body.context, param="documents")
@@ -110,7 +111,7 @@ async def classify_route(request: Request) -> Response:
 
 async def classify(s: Serving, call: Call, body: ClassifyRequest) -> Response:
     """Infinity's classify: each input's labels, best first."""
-    model = call.named(s.registry.pick(body.model, SCORE))
+    model = call.named(s.registry.resolve(body.model, SCORE))
     result = await encode(model, body.input, s.envelope.workers, output=LOGITS, truncate=body.truncate,
                           context=body.context, param="input")
     data = [predictions(row, model.labels.names) for row in model.labels.scores(result.values, body.raw_scores)]
@@ -124,7 +125,7 @@ async def classify(s: Serving, call: Call, body: ClassifyRequest) -> Response:
 async def predict(s: Serving, call: Call, body: PredictRequest) -> Response:
     """TEI's ``/predict`` (or, with ``parameters``, the Inference API's text classification: one list per input,
     even for one string, what ``InferenceClient.text_classification`` reads)."""
-    model = call.named(s.registry.pick(body.model, SCORE))
+    model = call.named(s.registry.resolve(body.model, SCORE))
     check_direction(model, body.truncation_direction)
     items, single = predict_items(body.inputs, hub=body.parameters is not None)
     result = await encode(model, items, s.envelope.workers, output=LOGITS, truncate=body.truncate is not False,
@@ -140,7 +141,7 @@ async def predict(s: Serving, call: Call, body: PredictRequest) -> Response:
 
 async def tei_rerank(s: Serving, call: Call, body: TeiRerankRequest) -> Response:
     """TEI's ``/rerank``: ``[{"index", "score", "text"?}]``, best first."""
-    model = call.named(s.registry.pick(body.model, RERANK))
+    model = call.named(s.registry.resolve(body.model, RERANK))
     check_direction(model, body.truncation_direction)
     result = await encode(model, [(body.query, t) for t in body.texts], s.envelope.workers, output=LOGITS,
                           truncate=body.truncate is not False, context=body.context, param="texts")

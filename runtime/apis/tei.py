@@ -17,14 +17,14 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from attnx.runtime.apis.encoding import encode, full_size, unit_rows
-from attnx.runtime.apis.registry import EMBED, SCORE
 from attnx.runtime.apis.requests import EmbedRequest, PredictRequest, RerankRequest, TeiRerankRequest, items, \
     openapi_body
 from attnx.runtime.apis.scoring import check_direction, predict, rerank, run_body, tei_rerank
+from attnx.runtime.serving.encoding import encode, full_size, unit_rows
+from attnx.runtime.serving.model import EMBED, SCORE
+from attnx.runtime.serving.state import Serving, serving
 from attnx.runtime.wire.envelope import Call, error_response
 from attnx.runtime.wire.errors import OPENAI_SHAPE, TEI, ProtocolError, bad_input, not_found
-from attnx.runtime.wire.http import Serving, serving
 
 router = APIRouter(tags=["TEI"])
 
@@ -88,7 +88,8 @@ def _root(s: Serving, body):
         return EmbedRequest, embed, TEI
     if "query" in body and "texts" in body:
         return TeiRerankRequest, tei_rerank, TEI
-    named = s.registry.models.get(body.get("model")) if isinstance(body.get("model"), str) else None
+    model_name = body.get("model")
+    named = s.registry.models.get(model_name) if isinstance(model_name, str) else None
     if named is not None:
         return (PredictRequest, predict, TEI) if SCORE in named.capabilities else (EmbedRequest, embed, TEI)
     if "parameters" in body or (not body.get("model") and not s.registry.able(EMBED) and s.registry.able(SCORE)):
@@ -98,7 +99,7 @@ def _root(s: Serving, body):
 
 async def embed(s: Serving, call: Call, body: EmbedRequest) -> Response:
     """``POST /embed``: one row per input."""
-    model = call.named(s.registry.pick(body.model, EMBED))
+    model = call.named(s.registry.resolve(body.model, EMBED))
     check_direction(model, body.truncation_direction)
     if body.prompt_name is not None:
         raise bad_input(f"model {model.name!r} has no prompts; 'prompt_name' must be null", "prompt_name")
@@ -125,7 +126,7 @@ def info_fields(model, s: Serving) -> dict:
             "id2label": id2label, "label2id": {name: int(i) for i, name in id2label.items()}}}
     batching = model.batcher.config
     return {"model_id": model.name, "model_sha": None, "served_model_name": model.name, "model_type": model_type,
-            "model_dtype": {"fp16": "float16", "int8": "int8"}.get(getattr(info, "precision", None), "float32"),
+            "model_dtype": {"fp16": "float16", "int8": "int8"}.get(str(getattr(info, "precision", None)), "float32"),
             "max_concurrent_requests": batching.max_queue_size, "max_input_length": model.tokenizer.max_length,
             "max_batch_tokens": batching.max_batch_tokens or 0, "max_batch_requests": batching.max_batch_size,
             "max_client_batch_size": model.limits.max_texts, "auto_truncate": True, "tokenization_workers": 1,

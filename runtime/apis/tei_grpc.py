@@ -18,31 +18,34 @@ from __future__ import annotations
 import functools
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 from pydantic_core import PydanticCustomError
 
-from attnx.runtime.apis.encoding import encode, full_size, unit_rows
 from attnx.runtime.apis.proto_schema import file_descriptor
-from attnx.runtime.apis.registry import EMBED, LOGITS, RERANK, SCORE, TOKENIZE, input_error
 from attnx.runtime.apis.requests import text
 from attnx.runtime.apis.scoring import ranking
 from attnx.runtime.apis.tei import described, info_fields
 from attnx.runtime.core.pooling import HIDDEN
 from attnx.runtime.core.session import InputError
+from attnx.runtime.serving.encoding import encode, full_size, unit_rows
+from attnx.runtime.serving.encoder import LOGITS
+from attnx.runtime.serving.model import EMBED, RERANK, SCORE, TOKENIZE
+from attnx.runtime.serving.state import Serving
 from attnx.runtime.wire.envelope import Call
 from attnx.runtime.wire.errors import TEI_GRPC_SHAPE, Kind, ProtocolError, bad_input
-from attnx.runtime.wire.http import Serving
 
 #: The API's interface definition (messages and services), read at first use.
 PROTO = Path(__file__).with_name("tei.proto")
 
 
 @functools.cache
-def api() -> tuple[dict[str, type], dict]:
-    """``(message classes by name, service descriptors by name)`` of :data:`PROTO`."""
+def api() -> tuple[dict[str, Any], dict]:
+    """``(message classes by name, service descriptors by name)`` of :data:`PROTO` (classes made at run time:
+    protobuf's generated message types, which no stub describes)."""
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file_descriptor(PROTO))
     file = pool.FindFileByName(PROTO.name)
@@ -50,7 +53,7 @@ def api() -> tuple[dict[str, type], dict]:
             dict(file.services_by_name))
 
 
-def messages() -> dict[str, type]:
+def messages() -> dict[str, Any]:
     return api()[0]  # by name: messages()["EmbedResponse"]
 
 
@@ -88,7 +91,7 @@ class TeiHandlers:
         named = next((v for k, v in (context.invocation_metadata() or ()) if k == "model"), None)
         if named is None and capability == TOKENIZE:  # TEI's one model: the one /info describes
             return call.named(described(self.s))
-        return call.named(self.s.registry.pick(named, capability))
+        return call.named(self.s.registry.resolve(named, capability))
 
     async def Info(self, request, context, call):
         info = info_fields(described(self.s), self.s)
@@ -187,7 +190,7 @@ class TeiHandlers:
             found = await self.s.envelope.workers.run(model.tokenizer.tokens, request.inputs,
                                                       request.add_special_tokens, cost=len(request.inputs))
         except InputError as e:
-            raise input_error(e, param="inputs") from None
+            raise e.refused(param="inputs") from None
         S = messages()["SimpleToken"]
         return messages()["EncodeResponse"](tokens=[S(id=i, text=t, special=s, **({} if s else {"start": a, "stop": b}))
                                                     for i, t, s, a, b in found])

@@ -18,12 +18,12 @@ from fastapi import APIRouter, Request
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from starlette.responses import Response
 
-from attnx.runtime.apis.registry import GENERATE
 from attnx.runtime.apis.requests import MAX_INT, Body, ChatMessage, Model, fail, openapi_body, parse, text
 from attnx.runtime.apis.tool_requests import MAX_TOOLS, Tool
+from attnx.runtime.serving.model import GENERATE
+from attnx.runtime.serving.state import serving
 from attnx.runtime.wire.envelope import Call
 from attnx.runtime.wire.errors import OPENAI_SHAPE, bad_input
-from attnx.runtime.wire.http import serving
 
 router = APIRouter(tags=["vLLM tokenize"])
 
@@ -76,7 +76,7 @@ async def tokenize(request: Request):
     async def work(call: Call) -> Response:
         body = await s.envelope.body(request, call, lambda raw: parse(TokenizeRequest, raw, s.string_cap),
                                      counts="chat")
-        model = call.named(s.registry.pick(body.model, GENERATE))
+        model = call.named(s.registry.resolve(body.model, GENERATE))
         if body.messages is not None:
             s.limits.check_messages(len(body.messages))
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -107,7 +107,7 @@ async def detokenize(request: Request):
     async def work(call: Call) -> Response:
         body = await s.envelope.body(request, call, lambda raw: parse(DetokenizeRequest, raw, s.string_cap),
                                      counts="prompts")
-        model = call.named(s.registry.pick(body.model, GENERATE))
+        model = call.named(s.registry.resolve(body.model, GENERATE))
         ids = await model.prompt_ids(body.tokens, s.envelope.workers, "tokens", positions=False) if body.tokens else []
         prompt = await s.envelope.workers.run(model.tokenizer.decode, ids, False, cost=len(ids))
         return Response(json.dumps({"prompt": prompt}), media_type="application/json")

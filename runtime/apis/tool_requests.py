@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -88,7 +88,7 @@ def legacy_tools(functions: list[FunctionDefinition] | None, function_call) -> t
 
 # --- the rules of OpenAI's top-level fields (requests.Sampling and its kinds) ------------------------------
 
-def _fail(message: str):
+def _fail(message: str) -> NoReturn:
     raise PydanticCustomError(Kind.BAD_INPUT.value, message)
 
 

@@ -140,8 +140,9 @@ def resolve_axes(inputs: list[TensorSpec], outputs: list[TensorSpec], flags: Axi
             for axis, role in ((b, BATCH), (s, SEQ)):
                 if axis is None:
                     continue
-                if group == 0 and isinstance(shape[axis], str) and shape[axis] not in (BATCH, SEQ, "?"):
-                    linked[role].setdefault(shape[axis], spec.name)
+                dim = shape[axis]
+                if group == 0 and isinstance(dim, str) and dim not in (BATCH, SEQ, "?"):
+                    linked[role].setdefault(dim, spec.name)
                 shape[axis] = role
             # A name the file used for another dim must not read as batch/seq any more.
             shape = [d if i in (b, s) or d not in (BATCH, SEQ) or (d == SEQ and s is not None

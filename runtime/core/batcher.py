@@ -45,6 +45,7 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
+from attnx.runtime.core.errors import Kind, Refusal
 from attnx.runtime.core.layout import BatchLayout, Prepared
 from attnx.runtime.core.pacing import Pace
 from attnx.runtime.core.session import InputError, Session, model_input_error
@@ -69,16 +70,22 @@ def current_source() -> int:
     return id(found) if found is not None else threading.get_ident()
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(Refusal, RuntimeError):
     """The queue already holds ``max_queue_size`` requests (HTTP 503)."""
 
+    kind = Kind.OVERLOADED
 
-class RequestTimeoutError(TimeoutError):
+
+class RequestTimeoutError(Refusal, TimeoutError):
     """The request waited past its deadline before a batch took it (HTTP 503)."""
 
+    kind = Kind.TIMEOUT
 
-class BatcherClosedError(RuntimeError):
+
+class BatcherClosedError(Refusal, RuntimeError):
     """The batcher is shutting down and takes no new requests (HTTP 503)."""
+
+    kind = Kind.SHUTTING_DOWN
 
 
 @dataclass
@@ -137,6 +144,11 @@ class _Request:
     deadline: float | None
     source: int = 0
 
+    @property
+    def length(self) -> int:  # of a request to a model with a seq axis (the layout gives all its requests one)
+        assert self.prepared.length is not None, "a request without a length beside requests with one"
+        return self.prepared.length
+
 
 @dataclass
 class BatcherStats:
@@ -178,8 +190,8 @@ class DynamicBatcher:
         self.config = config or BatcherConfig()
         self.observer = observer
         self.name = name or session.path.stem
-        if pad_id is None and session.info is not None and session.info.tokenizer:
-            pad_id = session.info.tokenizer.get("pad_id")
+        if pad_id is None and session.info is not None and session.info.tokenizer is not None:
+            pad_id = session.info.tokenizer.pad_id
         self.layout = BatchLayout.of(session, pad_id)
         self.stats = BatcherStats()
         self.pace = Pace()  # the best rate seen, for admission by work (attnx.runtime.core.pacing)
@@ -344,19 +356,19 @@ class DynamicBatcher:
             cap = self.config.max_batch_tokens
             candidates = [r for r in alive if r is not anchor and r.prepared.key == anchor.prepared.key]
             if (ratio is not None or cap is not None) and length is not None:
-                candidates.sort(key=lambda r: (abs(math.log(r.prepared.length / length)), r.enqueued))
+                candidates.sort(key=lambda r: (abs(math.log(r.length / length)), r.enqueued))
             rows = anchor.prepared.rows
-            lo = hi = length
+            span = (length, length) if length is not None else None  # the batch's shortest and longest so far
             for req in candidates:
                 if rows + req.prepared.rows > self.config.max_batch_size:
                     continue
-                if length is not None:
-                    new_lo, new_hi = min(lo, req.prepared.length), max(hi, req.prepared.length)
+                if span is not None:
+                    new_lo, new_hi = min(span[0], req.length), max(span[1], req.length)
                     if ratio is not None and new_hi > ratio * new_lo:
                         continue
                     if cap is not None and (rows + req.prepared.rows) * new_hi > cap:
                         continue
-                    lo, hi = new_lo, new_hi
+                    span = new_lo, new_hi
                 chosen.append(req)
                 rows += req.prepared.rows
                 if rows == self.config.max_batch_size:

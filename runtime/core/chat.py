@@ -24,6 +24,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 #: Seconds one render may take, and the worker's address space (bytes).
 TIME_BUDGET_S = 2.0
@@ -216,6 +217,8 @@ class _Worker:
     def __init__(self, memory: int):
         self.proc = subprocess.Popen([sys.executable, "-I", __file__, str(memory)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both PIPE
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.sent: set[str] = set()  # templates this worker has compiled
 
     @property
@@ -227,9 +230,9 @@ class _Worker:
             request = {**request, "template": None}
         line = json.dumps(request, ensure_ascii=False).encode() + b"\n"
         answer: list = []
-        reader = threading.Thread(target=lambda: answer.append(self.proc.stdout.readline()), daemon=True)
-        self.proc.stdin.write(line)
-        self.proc.stdin.flush()
+        reader = threading.Thread(target=lambda: answer.append(self.stdout.readline()), daemon=True)
+        self.stdin.write(line)
+        self.stdin.flush()
         reader.start()
         reader.join(timeout)
         if reader.is_alive() or not answer or not answer[0]:
@@ -243,7 +246,7 @@ class _Worker:
         if self.alive:
             self.proc.kill()
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.stdin, self.stdout):
             pipe.close()
 
 
@@ -334,7 +337,8 @@ def _main() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory, resource.getrlimit(resource.RLIMIT_AS)[1]))
     except (ValueError, OSError):  # a hard limit below it: that one holds
         pass
-    env, compiled = environment(), {}
+    env = environment()
+    compiled: dict[str, Any] = {}  # template key -> its compiled jinja2 template
     for line in sys.stdin.buffer:
         try:
             answer = _render(env, compiled, json.loads(line))

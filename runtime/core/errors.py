@@ -1,8 +1,13 @@
 """The serving stack's error taxonomy: every refusal is a :class:`ProtocolError` of one :class:`Kind`.
 
 Defined here, in the core, because the core refuses requests itself (:mod:`attnx.runtime.core.pacing`'s admission by
-work) and never imports the wire; :mod:`attnx.runtime.wire.errors` re-exports these names and holds the one status
-table per wire shape, the only place a kind becomes a status.
+work) and never imports the wire. The core's own exceptions that refuse a request (``InputError``, ``TooLong``,
+``QueueFullError``, ``RequestTimeoutError``, ``BatcherClosedError``, the scheduler's ``SchedulerFull`` and
+``SchedulerClosed``) are :class:`Refusal` s: each carries its kind, and :meth:`Refusal.refused` is the one
+translation of them (a chat template's ``ChatError`` is not: its module is also the render worker's script, which
+imports nothing of attnx).
+:mod:`attnx.runtime.wire.errors` re-exports these names and holds the one status table per wire shape, the only
+place a kind becomes a status.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ class ProtocolError(Exception):
 
     def __repr__(self) -> str:
         return f"ProtocolError({self.kind.value}, {self.message!r})"
+
+
+class Refusal(Exception):
+    """A core exception that is a refusal of the request (bad feeds, a full queue, a deadline passed...): it carries
+    its :class:`Kind`, so the server translates every one the same way (:meth:`refused`), never by its class."""
+
+    kind: Kind = Kind.BAD_INPUT
+
+    def refused(self, where: str = "", param: str | None = None) -> ProtocolError:
+        """This refusal in the server's words: ``where`` (the input at fault) before the message."""
+        return ProtocolError(self.kind, where + str(self), param)
 
 
 def bad_input(message: str, param: str | None = None) -> ProtocolError:

@@ -54,7 +54,7 @@ class Generation:
         self.finish_reason: str | None = None if self.limit > 0 else "length"
         self._seen = list(self.prompt)
         self.guide = guide  # a grammar the text must follow (attnx.runtime.core.guided.Guide), or None
-        self._logprob = None
+        self._logprob: tuple[float, tuple[tuple[int, float], ...]] | None = None  # the chosen token's (choose)
 
     @property
     def done(self) -> bool:
@@ -101,9 +101,10 @@ def stream(decoder: Decoder, tokenizer, prompt: Sequence[int], params: SamplingP
         return
     logits, state = decoder.start(gen.prompt, context)
     while True:
-        piece = gen.accept(gen.choose(logits))
+        token = gen.choose(logits)
+        piece = gen.accept(token)
         yield piece
         if gen.done:
             return
-        logits, state = decoder.step(state, [piece.token])
+        logits, state = decoder.step(state, [token])
         logits = logits[0]

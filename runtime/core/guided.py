@@ -28,9 +28,13 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence, TypedDict
 
 import numpy as np
+
+if TYPE_CHECKING:  # a TypedDict of llguidance's stub only (imported lazily below: a serving extra)
+    from llguidance import LLTokenizer
+    from llguidance._lib import JsonCompileOptions
 
 #: What one request's JSON schema may hold (OpenAI's structured outputs allow 5,000 properties, 1,000 enum values
 #: and 10 levels of nesting); checked by :func:`check_schema` before anything compiles.
@@ -41,7 +45,13 @@ MAX_SCHEMA_DEPTH = 32  # objects and lists nested in the schema's JSON
 #: llguidance's per-grammar fuel (its defaults: 1,000,000 / 200,000 / 250,000): x{1000000}'s first mask takes ~50 ms
 #: instead of ~1 s (a 50k vocabulary) and its next step is refused; schemas at the limits above compile within them
 #: (2,000 properties, 1,000 enum values of 200 characters, 200 date-times).
-LIMITS = {"initial_lexer_fuel": 200_000, "step_lexer_fuel": 100_000, "max_lexer_states": 50_000}
+class Fuel(TypedDict):  # the LLParserLimits fields set here (keywords: mypy checks them against llguidance's stub)
+    initial_lexer_fuel: int
+    step_lexer_fuel: int
+    max_lexer_states: int
+
+
+LIMITS: Fuel = {"initial_lexer_fuel": 200_000, "step_lexer_fuel": 100_000, "max_lexer_states": 50_000}
 #: Seconds one grammar may compile, and one request's mask may still take once the step's decoding run is done
 #: (then that request alone fails).
 COMPILE_TIME_BUDGET_S = 10.0
@@ -64,12 +74,12 @@ def check_schema(schema: Any, where: str = "the JSON schema") -> None:
     """Refuse a schema past any of the size limits above (one line naming the limit); stops at the first one, so
     the walk costs at most about :data:`MAX_SCHEMA_BYTES`, whatever the schema's size."""
     size = properties = values = 0
-    stack = [(schema, 1)]
+    stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         value, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise GrammarError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels (the limit)")
-        inner = ()
+        inner: Iterable[Any] = ()
         if isinstance(value, dict):
             size += 2 + (sum(len(k) + 3 for k in value) if len(value) <= MAX_SCHEMA_BYTES else len(value))
             props, enum = value.get("properties"), value.get("enum")
@@ -94,7 +104,7 @@ class Grammars:
 
     def __init__(self, tokenizer_file: Path, vocab: int, eos: Sequence[int]):
         self.tokenizer_file, self.vocab, self.eos = Path(tokenizer_file), int(vocab), [int(e) for e in eos]
-        self._tokenizer = None
+        self._tokenizer: LLTokenizer | None = None
         self._tokenizer_error: str | None = None
         self._lock = threading.Lock()
         self.compiles = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="attnx-grammar")
@@ -168,7 +178,7 @@ class Grammars:
 
 #: JSON written compactly (no whitespace between items, ``{"city":"Paris"}``): a small model cannot loop on
 #: whitespace, and a real one still writes any JSON value (SmolLM2-135M-Instruct: a schema-valid object in 27 tokens).
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def json_schema(schema: dict | None) -> str:

@@ -62,15 +62,16 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def read_labels(info, tokenizer_folder: Path, width: Any) -> Labels | None:
     """A classifier's labels from the export's recorded config (a foreign file: ``config.json`` beside its
     tokenizer), ``LABEL_i`` where it names none, as transformers does; None when nothing states a width."""
-    hf = (info.config or {}).get("hf_config") if info is not None else None
-    if not isinstance(hf, dict):
-        hf = _json_object(tokenizer_folder / "config.json")
-    id2label = hf.get("id2label") if isinstance(hf.get("id2label"), dict) else {}
+    recorded = (info.config or {}).get("hf_config") if info is not None else None
+    hf: dict[str, Any] = recorded if isinstance(recorded, dict) else _json_object(tokenizer_folder / "config.json")
+    stated = hf.get("id2label")
+    id2label: dict[Any, Any] = stated if isinstance(stated, dict) else {}
     count = width if isinstance(width, int) else len(id2label) or hf.get("num_labels")
     if not isinstance(count, int) or count < 1:
         return None  # a width nothing states: not servable as labels
     names = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
-    st = hf.get("sentence_transformers") if isinstance(hf.get("sentence_transformers"), dict) else {}
+    stated = hf.get("sentence_transformers")
+    st: dict[str, Any] = stated if isinstance(stated, dict) else {}
     activation = st.get("activation_fn") or hf.get("sbert_ce_default_activation_function") or ""
     return Labels(names, hf.get("problem_type") == "multi_label_classification", activation == _IDENTITY)
 

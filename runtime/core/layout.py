@@ -58,7 +58,7 @@ class BatchLayout:
         if not self.can_batch:
             return (f"served unbatched (one request per run): no batch axis found for {self.unbatchable}; "
                     f"name it with --batch-axis NAME=AXIS to batch")
-        if self.can_pad:
+        if self.can_pad and self.mask is not None:  # can_pad implies a mask
             return f"batched and padded: shorter requests are padded and masked with {self.mask.name!r}"
         if not any(s.seq_axis is not None for s in self.inputs):
             return "batched (no sequence axis)"
@@ -106,10 +106,11 @@ class BatchLayout:
                 merged[spec.name] = first
                 continue
             b, s = spec.batch_axis, spec.seq_axis
+            assert b is not None, "merged only when every other input has a batch axis (can_batch)"
             shape = list(first.shape)
-            shape[b] = total  # type: ignore[index]
+            shape[b] = total
             if s is not None:
-                shape[s] = longest  # type: ignore[index]
+                shape[s] = longest
             # Mask 0 = "not a token"; every other seq input's padded positions only ever meet
             # masked keys or discarded query rows, so any in-range value (the pad id) does.
             out = np.full(shape, self.pad_values.get(spec.name, 0), dtype=first.dtype)
@@ -117,7 +118,7 @@ class BatchLayout:
             for p in items:
                 arr = p.feeds[spec.name]
                 index: list[slice] = [slice(None)] * arr.ndim
-                index[b] = slice(offset, offset + p.rows)  # type: ignore[index]
+                index[b] = slice(offset, offset + p.rows)
                 if s is not None:
                     index[s] = slice(0, arr.shape[s])
                 out[tuple(index)] = arr
@@ -134,11 +135,12 @@ class BatchLayout:
         for name, arr in outputs.items():
             spec = specs[name]
             b = spec.batch_axis
+            assert b is not None, "split only when every output has a batch axis (can_batch)"
             seq_axes = [axis for axis, d in enumerate(spec.shape) if d == SEQ]  # [.., seq, seq]: both
             offset = 0
             for i, p in enumerate(items):
                 index: list[slice] = [slice(None)] * arr.ndim
-                index[b] = slice(offset, offset + p.rows)  # type: ignore[index]
+                index[b] = slice(offset, offset + p.rows)
                 for s in seq_axes if p.length is not None else ():
                     index[s] = slice(0, p.length)
                 # A copy, so a caller holding its result does not pin the whole batch.

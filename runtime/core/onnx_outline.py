@@ -19,9 +19,12 @@ from typing import Callable, Iterator
 SMALL = 1 << 16
 
 Reader = Callable[[int, int], bytes]  # (offset, size) -> bytes
+Span = tuple[int, int]  # a length-delimited field's (start, end) in the file
+#: A field's value: a varint's int, a length-delimited field's span, None for a fixed-width one.
+Value = int | Span | None
 
 
-def graph_outline(path) -> tuple[dict[str, int], list[tuple[str, str, int]]]:
+def graph_outline(path: str | os.PathLike[str]) -> tuple[dict[str, int], list[tuple[str, str, int]]]:
     """``({initializer: its first dim}, [(data, indices, axis) of each Gather])`` of the file's main graph."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -29,14 +32,16 @@ def graph_outline(path) -> tuple[dict[str, int], list[tuple[str, str, int]]]:
             return os.pread(fd, size, at)
 
         size = os.fstat(fd).st_size
-        graph = next((v for n, k, v in _fields(read, 0, size) if n == 7 and k == 2), (0, 0))
-        tables, gathers = {}, []
-        for number, kind, span in _fields(read, *graph):
-            if number == 5 and kind == 2:
+        # A span value is a length-delimited field (wire type 2): the graph, an initializer, a node.
+        graph = next((v for n, _, v in _fields(read, 0, size) if n == 7 and isinstance(v, tuple)), (0, 0))
+        tables: dict[str, int] = {}
+        gathers: list[tuple[str, str, int]] = []
+        for number, _, span in _fields(read, *graph):
+            if number == 5 and isinstance(span, tuple):
                 name, rows = _initializer(read, span)
                 if name is not None and rows is not None:
                     tables[name] = rows
-            elif number == 1 and kind == 2:
+            elif number == 1 and isinstance(span, tuple):
                 gather = _gather(*_in_memory(read, span))
                 if gather is not None:
                     gathers.append(gather)
@@ -45,7 +50,7 @@ def graph_outline(path) -> tuple[dict[str, int], list[tuple[str, str, int]]]:
         os.close(fd)
 
 
-def _in_memory(read: Reader, span: tuple[int, int]) -> tuple[Reader, int, int]:
+def _in_memory(read: Reader, span: Span) -> tuple[Reader, int, int]:
     """A small message read whole: a reader over its bytes and its span there."""
     data = read(span[0], span[1] - span[0]) if span[1] - span[0] <= SMALL else None
     if data is None:
@@ -53,20 +58,23 @@ def _in_memory(read: Reader, span: tuple[int, int]) -> tuple[Reader, int, int]:
     return (lambda at, size: data[at:at + size]), 0, len(data)
 
 
-def _initializer(read: Reader, span) -> tuple[str | None, int | None]:
-    name = rows = None
-    for n, k, v in _fields(read, *span):
-        if n == 8 and k == 2:
+def _initializer(read: Reader, span: Span) -> tuple[str | None, int | None]:
+    name: str | None = None
+    rows: int | None = None
+    for n, _, v in _fields(read, *span):
+        if n == 8 and isinstance(v, tuple):
             name = read(v[0], v[1] - v[0]).decode("utf-8", "replace")
-        elif n == 1 and rows is None:
-            rows = v if k == 0 else _varint(read(v[0], 10), 0)[0]  # packed dims: the first one
+        elif n == 1 and rows is None and v is not None:
+            rows = v if isinstance(v, int) else _varint(read(v[0], 10), 0)[0]  # packed dims: the first one
     return name, rows
 
 
 def _gather(read: Reader, start: int, end: int) -> tuple[str, str, int] | None:
-    inputs, op, axis = [], None, 0
-    for n, k, v in _fields(read, start, end):
-        if k != 2:
+    inputs: list[str] = []
+    op: str | None = None
+    axis = 0
+    for n, _, v in _fields(read, start, end):
+        if not isinstance(v, tuple):  # only length-delimited fields (wire type 2) are read here
             continue
         if n == 1:
             inputs.append(read(v[0], v[1] - v[0]).decode("utf-8", "replace"))
@@ -74,19 +82,21 @@ def _gather(read: Reader, start: int, end: int) -> tuple[str, str, int] | None:
             op = read(v[0], v[1] - v[0]).decode("utf-8", "replace")
         elif n == 5:
             attr = {an: av for an, _, av in _fields(read, *v) if an in (1, 3)}
-            if isinstance(attr.get(1), tuple) and read(attr[1][0], attr[1][1] - attr[1][0]) == b"axis":
-                value = attr.get(3, 0)
+            name = attr.get(1)
+            value = attr.get(3, 0)
+            if isinstance(name, tuple) and read(name[0], name[1] - name[0]) == b"axis" and isinstance(value, int):
                 axis = value - (1 << 64) if value >= 1 << 63 else value  # an int64 written as a varint
     return (inputs[0], inputs[1], axis) if op == "Gather" and len(inputs) == 2 else None
 
 
-def _fields(read: Reader, start: int, end: int) -> Iterator[tuple[int, int, object]]:
+def _fields(read: Reader, start: int, end: int) -> Iterator[tuple[int, int, Value]]:
     """``(field number, wire type, value)`` of a message: a varint's value, a length-delimited field's
     ``(start, end)``, None for fixed-width fields."""
     while start < end:
         head = read(start, 20)
         key, i = _varint(head, 0)
         kind = key & 7
+        value: Value
         if kind == 0:
             value, i = _varint(head, i)
             start += i

@@ -146,8 +146,10 @@ def pool_batch(hidden: np.ndarray, mask: np.ndarray | None, pooling: Pooling) ->
 
 def export_pooling(info) -> Pooling | None:
     """The pooling an attnx export's metadata records for its source (``config.sentence_transformers``)."""
-    st = (info.config or {}).get("sentence_transformers") if info is not None else None
-    mode = ALIASES.get(st.get("pooling"), st.get("pooling")) if isinstance(st, dict) else None
+    recorded = (info.config or {}).get("sentence_transformers") if info is not None else None
+    st = recorded if isinstance(recorded, dict) else {}
+    named = st.get("pooling")
+    mode = ALIASES.get(named, named) if isinstance(named, str) else None  # not a string: no pooling stated
     if mode in MODES:
         return Pooling((mode,), bool(st.get("normalize")), "the export's metadata")
     return None

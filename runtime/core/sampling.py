@@ -16,6 +16,7 @@ for) is the argmax, first on ties, after the penalties: transformers' ``generate
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -91,9 +92,6 @@ class SamplingParams:
                 raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}", "logit_bias")
             if not -100.0 <= number("logit_bias", bias) <= 100.0:
                 raise SamplingError(f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias")
-        # as arrays once, not per step (the keys are unique: a JSON object's)
-        object.__setattr__(self, "_bias", (np.array([t for t, _ in self.logit_bias], dtype=np.int64),
-                                           np.array([b for _, b in self.logit_bias], dtype=np.float64)))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -103,6 +101,13 @@ class SamplingParams:
         for name, value in (("max_new_tokens", n), ("temperature", t), ("top_k", k), ("top_p", p),
                             ("repetition_penalty", r), ("stop", stop)):
             object.__setattr__(self, name, value)
+
+    @functools.cached_property
+    def _bias(self) -> tuple[np.ndarray, np.ndarray]:
+        """``logit_bias`` as (token ids, biases) arrays, built once per request, not per step (the keys are unique:
+        a JSON object's)."""
+        return (np.array([t for t, _ in self.logit_bias], dtype=np.int64),
+                np.array([b for _, b in self.logit_bias], dtype=np.float64))
 
     @property
     def greedy(self) -> bool:

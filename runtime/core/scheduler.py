@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from attnx.runtime.core.decoding import DecodeState, Decoder
+from attnx.runtime.core.errors import Kind, Refusal
 from attnx.runtime.core.generate import Generation, Piece
 from attnx.runtime.core.guided import GrammarError
 from attnx.runtime.core.sampling import SamplingParams
@@ -37,12 +38,16 @@ from attnx.runtime.core.session import InputError, public_message
 log = logging.getLogger("attnx.serve")
 
 
-class SchedulerFull(RuntimeError):
+class SchedulerFull(Refusal, RuntimeError):
     """More requests waiting than the queue holds (the server answers 429 / 503)."""
 
+    kind = Kind.OVERLOADED
 
-class SchedulerClosed(RuntimeError):
+
+class SchedulerClosed(Refusal, RuntimeError):
     """The scheduler is shutting down."""
+
+    kind = Kind.SHUTTING_DOWN
 
 
 class RequestFault(str):
@@ -64,7 +69,7 @@ class Handle:
     ``error(message)`` hears a failure; :meth:`cancel` takes it out at the next step."""
 
     def __init__(self, generation: Generation, context: Mapping[str, np.ndarray] | None,
-                 deliver: Callable[[Piece], None], error: Callable[[str], None]):
+                 deliver: Callable[[Piece], object], error: Callable[[str], object]):
         self.generation = generation
         self.context = dict(context or {})
         self.deliver, self.error = deliver, error
@@ -109,8 +114,8 @@ class GenerationScheduler:
     def running(self) -> int:
         return len(self._active)
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Callable[[Piece], None],
-               error: Callable[[str], None], context: Mapping[str, np.ndarray] | None = None, guide=None) -> Handle:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, deliver: Callable[[Piece], object],
+               error: Callable[[str], object], context: Mapping[str, np.ndarray] | None = None, guide=None) -> Handle:
         """Queue one request; its pieces go to ``deliver`` as they are made (``guide``: a grammar the text follows,
         :class:`~attnx.runtime.core.guided.Guide`). Raises :class:`InputError` for a prompt the model cannot take,
         :class:`SchedulerFull` / :class:`SchedulerClosed`."""
@@ -188,6 +193,7 @@ class GenerationScheduler:
         for handle in self._active:  # grammar masks compute beside the run (llguidance drops the GIL)
             handle.generation.prefetch()
         tokens = [h.generation.tokens[-1] for h in self._active]
+        assert self._state is not None, "requests in flight without a decode state"  # merged as they joined
         logits, self._state = self.decoder.step(self._state, tokens)
         self.stats.steps += 1
         self.stats.rows += len(tokens)
@@ -230,6 +236,7 @@ class GenerationScheduler:
             if h.cancelled and not h.finished:
                 self._finish(h, h.reason)
         self._active = [self._active[i] for i in keep]
+        assert self._state is not None, "requests in flight without a decode state"  # merged as they joined
         self._state = self.decoder.select(self._state, keep) if keep else None
 
     def _finish(self, handle: Handle, message: str | None = None) -> None:

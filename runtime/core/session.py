@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from attnx.contract import BATCH, SEQ, ContractError, ModelInfo, Role, TensorEntry, default_role, read_profiles
+from attnx.runtime.core.errors import Kind, Refusal
 
 #: A tensor as the file itself declares it: (name, numpy dtype, dims as ints / dim names / None).
 FileSpec = tuple[str, np.dtype, list]
@@ -39,8 +40,10 @@ FileSpec = tuple[str, np.dtype, list]
 ON_REQUEST_OUTPUT = re.compile(r"^attentions\.\d+$")
 
 
-class InputError(ValueError):
+class InputError(Refusal, ValueError):
     """Feeds that do not fit the model (missing/unknown name, dtype, rank, fixed dim, lengths)."""
+
+    kind = Kind.BAD_INPUT
 
 
 @dataclass(frozen=True)

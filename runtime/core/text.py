@@ -11,7 +11,7 @@ Each text, or (query, document) pair for a cross-encoder (:meth:`TextTokenizer.t
 longest-first truncation), becomes one row of token ids (:class:`Encoded`); :func:`text_feeds` turns it into a
 model's inputs (``input_ids``, an all-ones ``attention_mask``, ``token_type_ids``, and any per-example context row)
 and :func:`stack_rows` puts per-text outputs back together, padding outputs with a sequence axis with zeros to the
-longest text. The server (:mod:`attnx.runtime.apis.registry`) and the embedded
+longest text. The server (:mod:`attnx.runtime.serving.encoding`) and the embedded
 :class:`~attnx.runtime.core.encode.TextModel` both use them, so both give the same numbers.
 """
 
@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from attnx.contract import ContractError, ModelInfo, Role, contained
+from attnx.contract import ContractError, ModelInfo, Role
+from attnx.runtime.core.errors import Kind
 from attnx.runtime.core.session import InputError, TensorSpec
 
 #: Roles a text request fills in itself; a request carrying text must not carry these too.
@@ -54,6 +55,8 @@ _LOCAL_NORMALIZERS = {"BertNormalizer", "NFC", "NFD", "NFKC", "NFKD", "Lowercase
 
 class TooLong(InputError):
     """A text past the characters a model can read that cannot be cut (truncation off): a 413, not a stall."""
+
+    kind = Kind.TOO_LARGE
 
 
 @dataclass(frozen=True)
@@ -110,24 +113,15 @@ class TextTokenizer:
     def from_export(cls, model_path: str | os.PathLike, info: ModelInfo | None) -> "TextTokenizer | None":
         """The tokenizer an attnx export names in its metadata (None when it has none). The folder must
         lie beside the model (file contents are untrusted)."""
-        if info is None or not info.tokenizer:
+        if info is None or info.tokenizer is None:
             return None
-        tok = info.tokenizer
-        if not isinstance(tok, dict):
-            raise ContractError(f"{Path(model_path).name}: attnx.tokenizer metadata is not an object")
-        base = Path(model_path).resolve().parent
-        folder = contained(base, str(tok.get("dir", "")), "tokenizer folder")
-        file = contained(folder, str(tok.get("file", "tokenizer.json")), "tokenizer file")
+        tok = info.tokenizer  # checked when the metadata was read (attnx.contract.TokenizerSettings)
+        file = tok.path(Path(model_path).resolve().parent)
         if not file.is_file():
             raise FileNotFoundError(f"{Path(model_path).name} names the tokenizer {file}, which is missing "
                                     f"(keep the .tokenizer folder beside the model)")
-        max_length, pad_id = tok.get("max_length"), tok.get("pad_id", 0)
-        for key, value in (("max_length", max_length), ("pad_id", pad_id)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ContractError(f"{Path(model_path).name}: attnx.tokenizer {key} {value!r} is not an integer "
-                                    f"(the file's metadata was changed; re-export it)")
-        return cls(file, max_length=max_length, truncation_side=str(tok.get("truncation_side", "right")),
-                   pad_id=pad_id, model_type=tok.get("model_type"))
+        return cls(file, max_length=tok.max_length, truncation_side=tok.truncation_side, pad_id=tok.pad_id,
+                   model_type=tok.model_type)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike, max_length: int | None = None) -> "TextTokenizer":
@@ -221,8 +215,8 @@ class TextTokenizer:
         characters, cut back to just before the last space that follows a word (so that word is whole, and every
         word before it tokenises as in the whole text); None when the tokenizer's words may span spaces, the text
         is not longer than ``size`` (or the char cap), or the cut has no such space."""
-        if not self.cuts_at_spaces or self.max_length is None or self.truncation_side != "right":
-            return None
+        if not self.cuts_at_spaces or self.char_cap is None or self.truncation_side != "right":
+            return None  # (char_cap is None exactly when max_length is)
         if len(text) <= size or size >= self.char_cap:
             return None
         at = text.rfind(" ", 0, size)
@@ -236,8 +230,9 @@ class TextTokenizer:
         miss some of the whole text's: a second, longer one is tried, sized by the characters a token the first
         showed (aiming at 1.5 x max length tokens); after that the text goes the long way."""
         out: dict[int, Encoded] = {}
-        sizes = {i: self.max_length * PREFIX_CHARS_PER_TOKEN for i, x in enumerate(inputs) if isinstance(x, str)} \
-            if self.max_length is not None else {}
+        if self.max_length is None:
+            return out
+        sizes = {i: self.max_length * PREFIX_CHARS_PER_TOKEN for i, x in enumerate(inputs) if isinstance(x, str)}
         for _ in range(2):
             found = {i: p for i, size in sizes.items() if (p := self._prefix(inputs[i], size)) is not None}
             if not found:

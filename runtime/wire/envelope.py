@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -39,6 +40,23 @@ STREAM_WINDOW = 64
 STREAM_WINDOW_BYTES = 8 << 10
 
 
+class Queued(Protocol):
+    """A served model as the envelope sees it: a name and a queue (every
+    :class:`~attnx.runtime.serving.model.ServedModel` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def max_queue(self) -> int: ...
+
+
+QueuedModel = TypeVar("QueuedModel", bound=Queued)
+
+
 @dataclass
 class Call:
     """One request as the envelope sees it: when it began, its metrics label, the bytes of its body."""
@@ -47,7 +65,7 @@ class Call:
     label: str = "_unknown_"
     size: int = 0
 
-    def named(self, model):
+    def named(self, model: QueuedModel) -> QueuedModel:
         """``model`` is what this request runs on: the label its metrics are counted under."""
         self.label = model.name
         return model
@@ -66,8 +84,8 @@ def error_response(shape: Shape, error: ProtocolError) -> Response:
 class Envelope:
     """What every request goes through (module doc); one per server, shared by HTTP and gRPC."""
 
-    def __init__(self, registry, metrics: ServerMetrics, limits: Limits, budget: ByteBudget, workers: Workers):
-        self.registry, self.metrics, self.limits, self.budget, self.workers = registry, metrics, limits, budget, workers
+    def __init__(self, metrics: ServerMetrics, limits: Limits, budget: ByteBudget, workers: Workers):
+        self.metrics, self.limits, self.budget, self.workers = metrics, limits, budget, workers
         self._admitted: dict[str, int] = {}  # per model: requests let in whose body is not queued yet
 
     async def run(self, call: Call, work: Callable[[Call], Awaitable[Any]]) -> Any:
@@ -119,7 +137,7 @@ class Envelope:
             share.release()
 
     @contextlib.asynccontextmanager
-    async def admitted(self, model):
+    async def admitted(self, model: Queued):
         """Let a request for ``model`` in only while its queue has room for it and for those already let in
         whose bodies are still being read (a full queue refuses before a byte of the body is read)."""
         name = model.name
@@ -156,8 +174,8 @@ class Envelope:
                 async for request in requests:
                     size = request.ByteSize() if hasattr(request, "ByteSize") else 0
                     await window.enter(size)
-                    task = asyncio.ensure_future(self.run(Call(), lambda c, r=request: fn(r, context, c)))
-                    task.add_done_callback(lambda _, n=size: window.leave(n))
+                    task = asyncio.ensure_future(self.run(Call(), functools.partial(fn, request, context)))
+                    task.add_done_callback(window.leaver(size))
                     await pending.put(task)
                 await pending.put(None)
 
@@ -196,14 +214,19 @@ class _Window:
         self.count, self.size = self.count - 1, self.size - size
         self._freed.set()
 
+    def leaver(self, size: int) -> Callable[[object], None]:
+        """A done-callback that frees a request's ``size`` bytes."""
+        return lambda _: self.leave(size)
+
 
 async def _next(pending: asyncio.Queue, reader: asyncio.Future):
     """The next task a stream's reader queued, or its error once it failed (a malformed message)."""
     getter = asyncio.ensure_future(pending.get())
     await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
     if not getter.done():  # the reader ended first: with an error, or it queued its None
-        if reader.exception() is not None:
+        error = reader.exception()
+        if error is not None:
             getter.cancel()
-            raise reader.exception()
+            raise error
         await getter
     return getter.result()

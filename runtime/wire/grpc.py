@@ -75,7 +75,7 @@ class GrpcFrontEnd:
 
     def stop(self, grace: float = 30.0) -> None:
         """Stop taking calls, let in-flight ones finish (up to ``grace`` seconds), and join the thread."""
-        if self._loop is None or self._thread is None:
+        if self._loop is None or self._stop is None or self._thread is None:  # never started (set together)
             return
         self._grace = grace
         try:

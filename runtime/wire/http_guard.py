@@ -24,6 +24,7 @@ import logging
 import os
 import resource
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 log = logging.getLogger("attnx.serve")
 
@@ -65,22 +66,29 @@ def _open_fds() -> int | None:
         return None
 
 
-try:  # uvicorn's fast parser (the ``serve`` extra installs it)
+if TYPE_CHECKING:  # the guard is written against this base (mypy reads it as the only one)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-except ImportError:  # uvicorn's h11 then, with its own head-size bound (see the module doc)
-    HttpToolsProtocol = None
+
+    _HAS_HTTPTOOLS = True
+else:
+    try:  # uvicorn's fast parser (the ``serve`` extra installs it)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        _HAS_HTTPTOOLS = True
+    except ImportError:  # uvicorn's h11 then, with its own head-size bound (see the module doc)
+        HttpToolsProtocol, _HAS_HTTPTOOLS = object, False
 
 
-def protocol_class(limits: HttpLimits):
+def protocol_class(limits: HttpLimits) -> type | str:
     """The uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) enforcing ``limits``."""
-    if HttpToolsProtocol is None:
+    if not _HAS_HTTPTOOLS:
         return "h11"
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return type("GuardedHttpToolsProtocol", (_Guarded,), {"limits": limits, "soft": soft,
                                                            "shed_warned": [float("-inf")]})
 
 
-class _Guarded(HttpToolsProtocol or object):
+class _Guarded(HttpToolsProtocol):
     """uvicorn's ``HttpToolsProtocol`` with the bounds of :class:`HttpLimits` (``limits``, set per server)."""
 
     limits: HttpLimits

@@ -274,7 +274,7 @@ class OnnxRuntimeSession(Session):
                 for name, value in zip(output_names, binding.get_outputs())}
 
     def close(self) -> None:
-        self._sess = None  # type: ignore[assignment]
+        self._sess = None
 
 
 def _warn_if_int8_weights_clip(path: Path, info: ModelInfo | None) -> None:

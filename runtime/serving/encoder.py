@@ -1,9 +1,9 @@
-"""The served models, one registry for every API: which model a request means, and what each model can do.
+"""An encoder served: a session, its dynamic batcher and (for text) its tokenizer, as the registry serves it.
 
-Encoders (:class:`ServedModel`: a session and its batcher) and text generators
-(:class:`~attnx.runtime.apis.generation.GenerationModel`) alike, so every route, probe and gauge sees them all.
-Each states its capabilities; :meth:`ModelRegistry.pick` finds the model a JSON request names, or the only one
-that can do what it asks, with one wording of the refusal (404 an unknown name, 400 a model that cannot).
+Its capabilities follow from what the export gives: ``infer`` always, ``tokenize`` and ``embed`` with a tokenizer
+(and a ``sentence_embedding`` output), ``score`` and ``rerank`` with a tokenizer and ``logits [batch, labels]``.
+:meth:`EncoderModel.run_rows` is how every API's rows reach the batcher (:mod:`attnx.runtime.serving.encoding` for
+texts, :mod:`attnx.runtime.apis.kserve` for tensors).
 """
 
 from __future__ import annotations
@@ -16,28 +16,25 @@ from typing import Any
 import numpy as np
 
 from attnx.runtime.core import pacing
-from attnx.runtime.core.batcher import BatcherClosedError, DynamicBatcher, QueueFullError, RequestTimeoutError
+from attnx.runtime.core.batcher import DynamicBatcher
+from attnx.runtime.core.errors import Refusal
 from attnx.runtime.core.labels import Labels, read_labels
 from attnx.runtime.core.session import InputError, Session
-from attnx.runtime.core.text import TEXT_INPUT, TEXT_PAIR_INPUT, TextTokenizer, TooLong
-from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input, not_found, overloaded, too_large
+from attnx.runtime.core.text import TEXT_INPUT, TEXT_PAIR_INPUT, TextTokenizer
+from attnx.runtime.serving.model_config import model_config
+from attnx.runtime.serving.model import EMBED, GENERATE, INFER, RERANK, SCORE, TOKENIZE, WORDS
+from attnx.runtime.serving.signature import ModelSignature, TextInput, tensor_metadata
+from attnx.runtime.wire.errors import bad_input
 from attnx.runtime.wire.limits import Limits
 
-INFER, EMBED, SCORE, RERANK, GENERATE, TOKENIZE = "infer", "embed", "score", "rerank", "generate", "tokenize"
 #: The pooled output the embedding APIs serve, and the label logits the scoring APIs read.
 EMBEDDING, LOGITS = "sentence_embedding", "logits"
-#: How a refusal names each capability: (one, several, what it takes).
-WORDS = {EMBED: ("embedding model", "embedding models", "a tokenizer and a sentence_embedding output"),
-         SCORE: ("text classifier", "text classifiers", "a sequence classifier with a tokenizer"),
-         RERANK: ("reranker", "rerankers", "a sequence classifier with a tokenizer and one label"),
-         GENERATE: ("text generation model", "text generation models", "a with-past export"),
-         TOKENIZE: ("model with a tokenizer", "models with a tokenizer", "a tokenizer"),
-         INFER: ("model", "models", "a model")}
 
 
 @dataclass
-class ServedModel:
-    """One encoder behind the server: its session, its batcher, its tokenizer, and how it presents itself."""
+class EncoderModel:
+    """One encoder behind the server (a :class:`~attnx.runtime.serving.model.ServedModel`): its session, its batcher,
+    its tokenizer, and how it presents itself."""
 
     name: str
     session: Session
@@ -55,10 +52,8 @@ class ServedModel:
         return read_labels(self.session.info, self.tokenizer.file.parent, spec.shape[1])
 
     @functools.cached_property
-    def signature(self):
+    def signature(self) -> ModelSignature:
         """What KServe requests are checked against (:mod:`attnx.runtime.apis.kserve_tensors`)."""
-        from attnx.runtime.apis.kserve_tensors import ModelSignature, TextInput
-
         t = self.tokenizer
         text = TextInput(TEXT_INPUT, t.max_length, t.truncation_side, SCORE in self.capabilities) if t else None
         return ModelSignature(self.name, self.session.inputs, self.session.outputs, self.batcher.config.max_batch_size,
@@ -74,6 +69,13 @@ class ServedModel:
         if self.labels is not None:
             found |= {SCORE, RERANK} if self.labels.reranker else {SCORE}
         return frozenset(found)
+
+    def text_tokenizer(self) -> TextTokenizer:
+        """The tokenizer, for what takes text: every capability but infer has one, so a route's pick refused a
+        model without it already; this says so again in one line rather than failing on None."""
+        if self.tokenizer is None:
+            raise bad_input(self.unfit(TOKENIZE))
+        return self.tokenizer
 
     def unfit(self, capability: str) -> str:
         """Why this model cannot do ``capability`` (one line)."""
@@ -115,8 +117,6 @@ class ServedModel:
     def metadata(self) -> dict[str, Any]:
         """KServe v2 model metadata; dims are -1 where dynamic (batch included, as Triton does). A text model
         lists its ``text`` input first, and says how it tokenises under ``parameters``."""
-        from attnx.runtime.apis.kserve_tensors import tensor_metadata
-
         out: dict[str, Any] = {"name": self.name, "versions": [self.version], "platform": self.session.platform}
         texts = [TEXT_INPUT, TEXT_PAIR_INPUT] if SCORE in self.capabilities else [TEXT_INPUT]
         inputs = [{"name": name, "datatype": "BYTES", "shape": [-1]} for name in texts if self.tokenizer is not None]
@@ -133,8 +133,6 @@ class ServedModel:
 
     def config(self) -> dict[str, Any]:
         """A Triton model configuration (JSON form), as ``GET .../config`` returns."""
-        from attnx.runtime.apis.model_config import model_config
-
         params = None
         if self.tokenizer is not None:
             params = {k: str(v) for k, v in {"text_input": TEXT_INPUT, **self.tokenizer.describe()}.items()}
@@ -186,8 +184,9 @@ class ServedModel:
             t = self.tokenizer
             lines.append(f"  text input {TEXT_INPUT!r} (BYTES [-1]): {t.file}, max length {t.max_length}, "
                          f"truncation {t.truncation_side}, pad id {t.pad_id}")
-        if getattr(s, "pooling", None) is not None:
-            lines.append(f"  sentence_embedding: last_hidden_state, {s.pooling.describe()}")
+        pooling = getattr(s, "pooling", None)  # a session wrapped with its pooling (core.pooling.with_pooling)
+        if pooling is not None:
+            lines.append(f"  sentence_embedding: last_hidden_state, {pooling.describe()}")
         lines.append(f"  -> {layout.verdict()}")
         lines.append(f"  -> at most {cfg.max_batch_size} rows and "
                      f"{cfg.max_batch_tokens if cfg.max_batch_tokens else 'any number of'} tokens a batch")
@@ -198,91 +197,14 @@ class ServedModel:
         return lines
 
 
-def input_error(e: InputError, where: str = "", param: str | None = None) -> ProtocolError:
-    """A refusal of the inputs (a tokenizer's, a session's) in the server's words: past what the model reads
-    at all is ``too_large``, anything else ``bad_input``."""
-    return ProtocolError(Kind.TOO_LARGE if isinstance(e, TooLong) else Kind.BAD_INPUT, where + str(e), param)
-
-
 def _batcher_error(e: BaseException, where: str = "") -> BaseException:
-    """A batcher's refusal in the server's words (anything else is passed on as it is: an internal error)."""
-    if isinstance(e, InputError):
-        return bad_input(where + str(e))
-    if isinstance(e, QueueFullError):
-        return overloaded(str(e))
-    if isinstance(e, RequestTimeoutError):
-        return ProtocolError(Kind.TIMEOUT, str(e))
-    if isinstance(e, BatcherClosedError):
-        return ProtocolError(Kind.SHUTTING_DOWN, str(e))
+    """A batcher's refusal in the server's words, by its kind; ``where`` (the text at fault) names a bad input only.
+    Anything else is passed on as it is: an internal error."""
+    if isinstance(e, Refusal):
+        return e.refused(where if isinstance(e, InputError) else "")
     return e
-
-
-def check_room(model, count: int) -> None:
-    """Refuse, before any work, ``count`` parts the model's queue cannot take: more than it ever holds is
-    ``too_large`` (a retry never helps), more than it holds now is ``overloaded``."""
-    if count > model.max_queue:
-        raise too_large(f"{count} inputs, but model {model.name!r} queues at most {model.max_queue} at once: "
-                        f"send at most {model.max_queue} per request")
-    if model.queue_depth + count > model.max_queue:
-        raise overloaded(f"model {model.name!r}: queue full ({model.max_queue} inputs waiting at most); "
-                         f"retry later")
 
 
 def _cancel(futures) -> None:
     for f in futures:
         f.cancel()  # a no-op once running or done; a queued one leaves the queue unrun
-
-
-class ModelRegistry:
-    """Every served model by name (each has one version, "1"), encoders and generators alike."""
-
-    def __init__(self) -> None:
-        self.models: dict[str, Any] = {}
-
-    def add(self, model) -> None:
-        if model.name in self.models:
-            raise ValueError(f"two models named {model.name!r} (use name=path to rename one)")
-        self.models[model.name] = model
-
-    def get(self, name: str, version: str | None = None, *, private: bool = False):
-        """The model of a path (``/v2/models/{name}``); 404 otherwise. ``private``: the refusal does not list
-        the served names (an open route, such as a readiness probe, answers clients without the key)."""
-        model = self.models.get(name)
-        if model is None:
-            names = "" if private else f"; this server has {sorted(self.models)}"
-            raise not_found(f"unknown model {name!r}{names}")
-        if version not in (None, "", model.version):
-            raise not_found(f"model {name!r} has no version {version!r} (versions: [{model.version!r}])")
-        return model
-
-    def able(self, capability: str) -> list:
-        return [m for m in self.models.values() if capability in m.capabilities]
-
-    def pick(self, name: Any, capability: str):
-        """The model a JSON request names (``model``), or with no name the server's only one that can do
-        ``capability`` (for a classifier, its only one with several labels when it serves rerankers too)."""
-        one, several, needs = WORDS[capability]
-        fit = self.able(capability)
-        if name is None or name == "":
-            if capability == SCORE and len(fit) > 1:  # a reranker predicts too; naming none means the classifier
-                fit = [m for m in fit if RERANK not in m.capabilities] or fit
-            if len(fit) == 1:
-                return fit[0]
-            names = [m.name for m in fit]
-            raise bad_input(f"this server has several {several} {names}: name one in 'model'" if names
-                            else f"this server has no {one} ({needs})", "model")
-        model = self.models.get(name)
-        if model is None:
-            raise not_found(f"The model {name!r} does not exist on this server; its {several} are "
-                            f"{[m.name for m in self.able(capability)]}")
-        if capability not in model.capabilities:
-            raise bad_input(model.unfit(capability), "model")
-        return model
-
-    @property
-    def ready(self) -> bool:
-        return all(m.ready for m in self.models.values())
-
-    def close(self, drain: bool = True, timeout: float | None = None) -> None:
-        for m in self.models.values():
-            m.close(drain=drain, timeout=timeout)

@@ -6,7 +6,7 @@ pair template, cut longest-first) are tokenised on the worker thread when large,
 at a time; the request's tokens are held to ``--max-request-tokens`` and its compute to
 what can start before the queue deadline (both checked after each group, so a request far over either is refused
 before all of it is tokenised); each input joins the model's
-batcher on its own (:meth:`~attnx.runtime.apis.registry.ServedModel.run_rows`), as a KServe text request's texts
+batcher on its own (:meth:`~attnx.runtime.serving.encoder.EncoderModel.run_rows`), as a KServe text request's texts
 do. ``dimensions``: the Matryoshka convention, allowed per model by the operator (:class:`Dimensions`).
 """
 
@@ -18,10 +18,11 @@ from typing import Any, Collection, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from attnx.contract import Role
-from attnx.runtime.apis.registry import EMBEDDING, LOGITS, ServedModel, check_room, input_error
 from attnx.runtime.core import pacing
 from attnx.runtime.core.session import InputError, TensorSpec
-from attnx.runtime.core.text import Encoded, context_rows, text_feeds
+from attnx.runtime.core.text import Encoded, TextTokenizer, context_rows, text_feeds
+from attnx.runtime.serving.encoder import EMBEDDING, LOGITS, EncoderModel
+from attnx.runtime.serving.registry import check_queue_room
 from attnx.runtime.wire.errors import Kind, ProtocolError, bad_input
 from attnx.runtime.wire.limits import Workers
 
@@ -33,25 +34,26 @@ class Result(NamedTuple):
     tokens: int  # summed over the inputs, after truncation, special tokens included
 
 
-async def encode(model: ServedModel, items: Sequence[Item], workers: Workers, *, output: str = EMBEDDING,
+async def encode(model: EncoderModel, items: Sequence[Item], workers: Workers, *, output: str = EMBEDDING,
                  truncate: bool = True, context: Any = None, param: str = "input") -> Result:
     """Tokenise, check the limits, run every input through the model's batcher: ``output`` of each, stacked."""
     model.limits.check_count(len(items), param)
-    check_room(model, len(items))  # before any tokenising
+    tok = model.text_tokenizer()
+    check_queue_room(model, len(items))  # before any tokenising
     context = context_arrays(context, [s for s in model.session.inputs if s.name not in model.signature.text_filled],
                              model.name)
-    encoded = await _tokenize(model, items, workers, param)
+    encoded = await _tokenize(model, tok, items, workers, param)
     if not truncate:
         cut = next((i for i, e in enumerate(encoded) if e.truncated), None)
         if cut is not None:
-            raise bad_input(f"{param}[{cut}] is longer than the model's max length {model.tokenizer.max_length} "
+            raise bad_input(f"{param}[{cut}] is longer than the model's max length {tok.max_length} "
                             f"tokens (and truncation is off)", param)
     model.limits.check_tokens(sum(e.length for e in encoded))
     try:
         contexts = context_rows(model.session.inputs, context, len(encoded))
         rows = [text_feeds(model.session.inputs, e, c) for e, c in zip(encoded, contexts)]
     except InputError as e:
-        raise bad_input(str(e), "context" if context else param) from None
+        raise e.refused(param="context" if context else param) from None
     missing = [s.name for s in model.session.inputs if s.name not in rows[0] and s.name not in model.signature.optional_inputs]
     if missing:
         raise bad_input(f"model {model.name!r} also needs its context inputs {missing}, one row per input: send them "
@@ -64,19 +66,21 @@ async def encode(model: ServedModel, items: Sequence[Item], workers: Workers, *,
     return Result(values, sum(e.length for e in encoded))
 
 
-async def _tokenize(model: ServedModel, items: Sequence[Item], workers: Workers, param: str) -> list[Encoded]:
+async def _tokenize(model: EncoderModel, tok: TextTokenizer, items: Sequence[Item], workers: Workers,
+                    param: str) -> list[Encoded]:
     """Each item's tokens, always cut to the max length (the Encoded says whether it was, so a refusal can name
     the input at fault); token ids are used as given, checked against the vocabulary."""
-    tok = model.tokenizer
     texts = [(i, t) for i, t in enumerate(items) if isinstance(t, str)]
     pairs = [(i, p) for i, p in enumerate(items) if isinstance(p, tuple)]
+    ids = [(i, t) for i, t in enumerate(items) if isinstance(t, list)]
 
     def run() -> dict[int, Encoded]:
         """In groups, the request's tokens and compute checked after each: a request far over
         ``max_request_tokens``, or needing more compute than can start before its queue deadline
         (:func:`~attnx.runtime.core.pacing.check`, on the rates the model has shown), is refused once it is known
         to be, and a group's transient tokenizer state (a long text's overflow) is all that is held at once."""
-        found, tokens, parts = {}, 0, []
+        found: dict[int, Encoded] = {}
+        tokens, parts = 0, []
         for kind, group in _groups(texts, pairs):
             done = tok.tokenize([t for _, t in group], allow_empty=True) if kind == "text" else \
                 tok.tokenize_pairs([p for _, p in group])
@@ -93,8 +97,9 @@ async def _tokenize(model: ServedModel, items: Sequence[Item], workers: Workers,
     try:
         found = await workers.run(run, cost=chars)
     except InputError as e:
-        raise input_error(e, f"'{param}': ", param) from None
-    return [found[i] if i in found else _ids_row(model, item, i, param) for i, item in enumerate(items)]
+        raise e.refused(f"'{param}': ", param) from None
+    found.update((i, _ids_row(model, tok, t, i, param)) for i, t in ids)  # in order: the first bad one is named
+    return [found[i] for i in range(len(items))]
 
 
 #: Texts tokenised at once (each group's token count is checked before the next is tokenised).
@@ -107,18 +112,18 @@ def _groups(texts: list, pairs: list):
             yield kind, items[start:start + _GROUP]
 
 
-def _ids_row(model: ServedModel, ids: list[int], index: int, param: str) -> Encoded:
+def _ids_row(model: EncoderModel, tok: TextTokenizer, ids: list[int], index: int, param: str) -> Encoded:
     """Token ids as given (the model's vocabulary), checked against its range, cut to its max length."""
     spec = next(s for s in model.session.inputs if s.role == Role.INPUT_IDS)
-    low, high = spec.range if spec.range is not None else (0, model.tokenizer.vocab_size)
+    low, high = spec.range if spec.range is not None else (0, tok.vocab_size)
     bad = next((v for v in ids if not low <= v < high), None)
     if bad is not None:
         raise bad_input(f"{param}[{index}]: token id {bad} is outside the model's vocabulary [{low}, {high})", param)
     arr = np.asarray(ids, dtype=np.int64)
-    limit = model.tokenizer.max_length
+    limit = tok.max_length
     cut = limit is not None and arr.shape[0] > limit
-    if cut:
-        arr = arr[:limit] if model.tokenizer.truncation_side == "right" else arr[-limit:]
+    if limit is not None and cut:
+        arr = arr[:limit] if tok.truncation_side == "right" else arr[-limit:]
     return Encoded(arr, np.zeros_like(arr), cut)
 
 
@@ -126,11 +131,11 @@ def context_arrays(value: Mapping[str, Any] | None, specs: Sequence[TensorSpec],
     """A request's ``context`` (a placed variant's per-example inputs, ``{name: rows}``, an attnx extension) as
     arrays: names the model takes, regular lists of its dtype, finite. Shapes are checked where rows are cut."""
     out = {}
-    specs = {s.name: s for s in specs}
+    by_name = {s.name: s for s in specs}
     for name, rows in (value or {}).items():
-        spec = specs.get(name)
+        spec = by_name.get(name)
         if spec is None:
-            raise bad_input(f"'context' names {name!r}; model {model!r} takes {sorted(specs) or 'none'}", "context")
+            raise bad_input(f"'context' names {name!r}; model {model!r} takes {sorted(by_name) or 'none'}", "context")
         try:
             arr = np.asarray(rows, dtype=spec.dtype)
         except (TypeError, ValueError, OverflowError):
@@ -142,7 +147,7 @@ def context_arrays(value: Mapping[str, Any] | None, specs: Sequence[TensorSpec],
     return out
 
 
-def full_size(model: ServedModel) -> int | None:
+def full_size(model: EncoderModel) -> int | None:
     """The embedding's size when the file states it (None: known after the first run)."""
     last = model.session.output(EMBEDDING).shape[-1]
     return last if isinstance(last, int) else None
@@ -196,7 +201,7 @@ class Dimensions:
                             "dimensions")
         return requested
 
-    def cut(self, model: ServedModel, vectors: np.ndarray, requested: int | None) -> np.ndarray:
+    def cut(self, model: EncoderModel, vectors: np.ndarray, requested: int | None) -> np.ndarray:
         """The first ``requested`` values of each row, where allowed."""
         return vectors[:, :self.size(model.name, vectors.shape[1], requested)]
 

@@ -1,6 +1,6 @@
 """Triton's ``ModelConfig`` of a served model, as a dict (field names as in model_config.proto).
 
-``GET /v2/models/{m}/config`` answers with it (:meth:`attnx.runtime.apis.registry.ServedModel.config`),
+``GET /v2/models/{m}/config`` answers with it (:meth:`attnx.runtime.serving.encoder.EncoderModel.config`),
 and the Triton model repository writes it as ``config.pbtxt`` (:mod:`attnx.deploy.triton` writes
 and checks it with Triton's own schema). numpy only.
 """

@@ -45,8 +45,8 @@ def is_generator(session: Session) -> bool:
 
 @dataclass
 class GenerationModel:
-    """A text generator behind the server (a :class:`~attnx.runtime.serving.model.ServedModel`); it joins the
-    encoder in :mod:`attnx.runtime.serving` once this module's other work has landed."""
+    """A text generator behind the server (a :class:`~attnx.runtime.serving.model.ServedModel`): a with-past
+    session, its decoder and step-level scheduler, its tokenizer, chat template and grammars."""
 
     name: str
     session: Session
