@@ -179,6 +179,31 @@ def test_completions_score_what_hf_scores(tm, server, paths, hf, tokenized):
         assert metric(got, TEXT, name) == pytest.approx(metric(hf, TEXT, name), rel=1e-3), name
 
 
+def test_the_remote_tokenizer_backend_needs_no_local_folder(tm, paths, hf):
+    """``tokenizer_backend=remote``: lm-eval reads ``GET /tokenizer_info`` and tokenizes through ``/tokenize`` and
+    ``/detokenize`` (vLLM's, without a model name: a server of one model), with no tokenizer folder of its own; the
+    scores are ``hf``'s."""
+    import httpx
+
+    with running_server({"llm": paths["llm"]}) as one:
+        info = httpx.get(f"{one.url}/tokenizer_info").json()
+        assert info["model_max_length"] == POSITIONS and info["eos_token"] and "chat_template" in info
+        args = dict(base_url=f"{one.url}/v1/completions", model="llm", tokenizer_backend="remote",
+                    tokenized_requests=True, max_length=POSITIONS)
+        got = evaluate(tm, "local-completions", args, [CHOICE])
+    np.testing.assert_allclose(loglikelihoods(got, CHOICE), loglikelihoods(hf, CHOICE), rtol=0, atol=1e-3)
+    assert metric(got, CHOICE, "acc") == metric(hf, CHOICE, "acc")
+
+
+def test_tokenizer_info_names_the_model_when_several_generate(server):
+    import httpx
+
+    several = httpx.get(f"{server.url}/tokenizer_info")
+    assert several.status_code == 400 and "name one in 'model'" in several.json()["error"]["message"]
+    named = httpx.get(f"{server.url}/tokenizer_info", params={"model": "chat"}).json()
+    assert named["chat_template"] and named["bos_token"] == "<s>"
+
+
 # --- quantized exports ------------------------------------------------------------------------------------------------
 
 #: Largest |loglikelihood - fp32's| / |fp32's| over the samples, and the byte perplexity's relative change. Measured on

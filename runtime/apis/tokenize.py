@@ -7,6 +7,8 @@ messages), and answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (`
 serve it (those ``/v1/completions`` serves); a prompt is not refused for being longer than the positions (``count``
 against ``max_model_len`` is what a client budgets with), but one past the model's character cap is (never read).
 Bodies go through the envelope's count-first checks like chat's; tokenising and decoding run off the loop.
+``GET /tokenizer_info`` (vLLM's, for lm-evaluation-harness' ``tokenizer_backend=remote``) names the model's special
+tokens, its chat template and ``model_max_length`` (``?model=`` picks one when several generate).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from attnx.runtime.apis.requests import MAX_INT, Body, ChatMessage, Model, fail,
 from attnx.runtime.apis.tool_requests import MAX_TOOLS, Tool
 from attnx.runtime.serving.model import GENERATE
 from attnx.runtime.serving.state import serving
-from attnx.runtime.wire.envelope import Call
-from attnx.runtime.wire.errors import OPENAI_SHAPE, bad_input
+from attnx.runtime.wire.envelope import Call, error_response
+from attnx.runtime.wire.errors import OPENAI_SHAPE, ProtocolError, bad_input
 
 router = APIRouter(tags=["vLLM tokenize"])
 
@@ -113,6 +115,24 @@ async def detokenize(request: Request):
         return Response(json.dumps({"prompt": prompt}), media_type="application/json")
 
     return await s.envelope.http(request, OPENAI_SHAPE, work)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request, model: str | None = None):
+    s = serving(request)
+    try:
+        served = s.registry.resolve(model, GENERATE)
+    except ProtocolError as e:
+        return error_response(OPENAI_SHAPE, e)
+    chat, vocab, layout = served.chat, served.tokenizer._full, served.decoder.layout
+    info: dict[str, Any] = dict(chat.specials) if chat is not None else {}
+    if "eos_token" not in info and layout.eos:  # the file's own end-of-text id names it otherwise
+        info["eos_token"] = vocab.id_to_token(layout.eos[0])
+    if "bos_token" not in info and layout.bos is not None:
+        info["bos_token"] = vocab.id_to_token(layout.bos)
+    info["chat_template"] = chat.templates.get("default") if chat is not None else None
+    info["model_max_length"] = served.decoder.max_positions
+    return Response(json.dumps(info), media_type="application/json")
 
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
