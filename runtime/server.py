@@ -152,7 +152,7 @@ class InferenceServer:
                                      port=config.grpc_port, interceptors=[GrpcApiKeyInterceptor(key)] if key else [])
         self._socket: socket.socket | None = None
         self._bound_port: int | None = None
-        self._uvicorn = None
+        self._uvicorn: _QuietExitServer | None = None
         self._thread: threading.Thread | None = None
 
     def _load(self, models, tokenizers, axes) -> None:
@@ -239,7 +239,8 @@ class InferenceServer:
 
     def _make_uvicorn(self):
         config = uvicorn.Config(self.app, log_level=self.config.log_level, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=self.graceful_timeout_s,
+                                # uvicorn annotates an int; it hands the seconds to asyncio.wait_for (a float).
+                                timeout_graceful_shutdown=self.graceful_timeout_s,  # type: ignore[arg-type]
                                 # Header size/count, idle heads and descriptors are bounded per connection.
                                 http=protocol_class(self.http_limits),
                                 h11_max_incomplete_event_size=self.http_limits.max_header_bytes)
@@ -249,12 +250,14 @@ class InferenceServer:
     def serve(self) -> None:
         """Run in the foreground until Ctrl-C / SIGTERM (uvicorn handles the signals gracefully)."""
         self.bind()
+        sock = self._socket
+        assert sock is not None  # bind() made it
         try:
-            self._make_uvicorn().run(sockets=[self._socket])
+            self._make_uvicorn().run(sockets=[sock])
         finally:
             self._on_shutdown()
             self.registry.close()
-            self._socket.close()
+            sock.close()
 
     def start(self, timeout: float = 30.0) -> "InferenceServer":
         """Run in a background thread; return once it accepts connections."""

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
@@ -222,7 +222,7 @@ async def _stream(model: GenerationModel, choices, guides, context, head: dict, 
 
     def chunk(i, text=None, reason=None, role=False, logprobs=None, calls=None):
         if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             if calls:
                 message = _calls(calls, legacy, single)
                 delta.update(message if legacy else {"tool_calls": [{"index": j, **c} for j, c in
@@ -237,17 +237,18 @@ async def _stream(model: GenerationModel, choices, guides, context, head: dict, 
             for i, (ids, _) in enumerate(choices):
                 if chat or echo:
                     yield _sse(chunk(i, role=True) if chat else chunk(i, model.tokenizer.decode(ids)))
-            item = first
+            item: tuple[int, Any] | None = first
             while item is not None:
                 i, piece = item
+                reader = readers[i]
                 counts[i] += piece.token is not None
-                text = readers[i].feed(piece.text) if readers[i] else piece.text
+                text = reader.feed(piece.text) if reader is not None else piece.text
                 logprobs = _logprobs(model, [(piece.token, piece.logprob)], chat, sent[i]) if piece.logprob else None
                 if text or logprobs:
                     yield _sse(chunk(i, text, logprobs=logprobs))
                 sent[i] += len(text)
                 if piece.finish_reason:
-                    rest, calls = readers[i].finish() if readers[i] else ("", [])
+                    rest, calls = reader.finish() if reader is not None else ("", [])
                     if rest:
                         yield _sse(chunk(i, rest))
                     reason = ("function_call" if legacy else "tool_calls") if calls else piece.finish_reason
@@ -265,7 +266,7 @@ async def _stream(model: GenerationModel, choices, guides, context, head: dict, 
     return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _merged(model: GenerationModel, choices, guides, context) -> AsyncIterator[tuple[int, Any]]:
+async def _merged(model: GenerationModel, choices, guides, context) -> AsyncGenerator[tuple[int, Any], None]:
     """``(choice index, piece)`` of every choice as they come; a failure ends the stream with it."""
     if len(choices) == 1:
         async for piece in pieces(model, choices[0][0], choices[0][1], context, guides[0]):

@@ -82,7 +82,10 @@ async def score(model, prompts: list[list[int]], top: int, context, request, par
         while True:
             done, _ = await asyncio.wait({every}, timeout=0.25)
             if done:
-                return every.result()
+                scored = every.result()
+                if any(r is None for r in scored):  # a prompt stopped by ``gone``, which is set once this call ends
+                    raise ProtocolError(Kind.CLIENT_GONE, "client disconnected")
+                return [r for r in scored if r is not None]
             if request is not None and await request.is_disconnected():
                 raise ProtocolError(Kind.CLIENT_GONE, "client disconnected")
     except NoPromptLogits as e:

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from attnx.runtime.apis.tool_requests import (MAX_TOOLS, NAME_PATTERN, ChatRefusals, CompletionRefusals,
                                               FunctionDefinition, FunctionName, NamedToolChoice, OpenAIFields,
@@ -445,7 +445,7 @@ def parse(model: type[Body], body: bytes | str | dict, cap: int | None = None) -
         raise _error(model, e.errors(include_url=False)[0]) from None
 
 
-def _error(model: type[Body], error: dict) -> ProtocolError:
+def _error(model: type[Body], error: ErrorDetails) -> ProtocolError:
     kind, loc = error["type"], [p for p in error["loc"] if isinstance(p, int) or not _tag(p)]
     if kind in {k.value for k in Kind}:  # our own checks said it in full
         return ProtocolError(Kind(kind), error["msg"], _param(loc))

@@ -197,10 +197,11 @@ class KvFootprint:
         line = f"KV cache: {self.token_bytes:,} bytes per token ({self.tensors} tensors)"
         if self.positions is None:
             return line + ", no position limit stated (set max_positions to bound it)"
-        one = self.bytes(1)
+        one, many = self.bytes(1), self.bytes(rows)
+        assert one is not None and many is not None  # token_bytes and positions are known here
         line += f"; at {self.positions:,} positions {_mb(one)} per sequence"
         if rows > 1:
-            line += f", {_mb(self.bytes(rows))} for {rows} sequences at once"
+            line += f", {_mb(many)} for {rows} sequences at once"
         return line
 
 
@@ -317,10 +318,10 @@ class Decoder:
                 if spec.default not in ("zeros", "ones"):
                     raise InputError(f"missing context input {spec.describe()}")
                 dims = [1 if d == "batch" else d for d in spec.shape]
-                if not all(isinstance(d, int) for d in dims):
+                if not all(isinstance(d, int) for d in dims):  # (a dim name left: below, ints only)
                     raise InputError(f"context input {spec.name!r} has a per-token axis, which generation cannot "
                                      "extend to the tokens it generates")
-                value = np.full(dims, 0 if spec.default == "zeros" else 1, dtype=spec.dtype)
+                value = np.full([int(d) for d in dims], 0 if spec.default == "zeros" else 1, dtype=spec.dtype)
             value = np.asarray(value)
             if value.dtype != spec.dtype:
                 if value.dtype.kind == np.dtype(spec.dtype).kind or value.dtype.kind in "iu" and \
@@ -410,15 +411,15 @@ class Decoder:
 
     def select(self, state: DecodeState, rows: Sequence[int]) -> DecodeState:
         """Only ``rows`` of a batch, without the leading slots none of them uses (at least one slot stays)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        mask = state.mask[rows]
+        index = np.asarray(rows, dtype=np.int64)
+        mask = state.mask[index]
         used = np.flatnonzero(mask.any(axis=0))
         first = min(int(used[0]) if used.size else mask.shape[1] - 1, mask.shape[1] - 1)
         cache = {}
         for t in self.layout.tensors:
-            arr = host(state.cache[t.input])[rows]
+            arr = host(state.cache[t.input])[index]
             if t.axis is not None and first:
                 arr = np.take(arr, np.arange(first, arr.shape[t.axis]), axis=t.axis)
             cache[t.input] = arr
-        return DecodeState(cache, mask[:, first:], state.positions[rows],
-                           {k: v[rows] for k, v in state.context.items()})
+        return DecodeState(cache, mask[:, first:], state.positions[index],
+                           {k: v[index] for k, v in state.context.items()})

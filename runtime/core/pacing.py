@@ -141,8 +141,9 @@ async def run(batcher, feeds: list[dict[str, np.ndarray]], timeout_ms: float | N
     counts: dict[int, int] = {}
     for rows, length in parts:
         counts[bucket(length)] = counts.get(bucket(length), 0) + rows * length
-    main = max(counts, key=counts.get)
-    probe, rows = [], 0
+    main = max(counts, key=counts.__getitem__)
+    probe: list[int] = []
+    rows = 0
     for i, (n, length) in enumerate(parts):
         if bucket(length) == main:
             if probe and (rows + n > size or (rows + n) * max(1, length) > PROBE_TOKENS):

@@ -101,8 +101,9 @@ def merge_specs(file_specs: Iterable[FileSpec], entries: Sequence[TensorEntry] |
                 continue
             named = d if isinstance(d, str) and d else "?"
             if named not in (BATCH, SEQ) and mshape is not None and len(mshape) == len(dims):
-                if mshape[axis] in (BATCH, SEQ):
-                    named = mshape[axis]
+                stated = mshape[axis]
+                if isinstance(stated, str) and stated in (BATCH, SEQ):
+                    named = stated
             shape.append(named)
         role = entry.role if entry is not None else default_role(name, is_input)
         specs.append(TensorSpec(name, np.dtype(dtype), tuple(shape), role, entry.range if entry is not None else None,
@@ -210,7 +211,7 @@ class Session:
                 checked[spec.name] = default_mask(spec, checked, self.inputs, OPTIONAL_ROLES[spec.role])
         for spec in self.inputs:  # an omitted head mask keeps every head (no ablation)
             if spec.role == Role.HEAD_MASK and spec.name not in checked and all(isinstance(d, int) for d in spec.shape):
-                checked[spec.name] = np.ones(spec.shape, dtype=spec.dtype)
+                checked[spec.name] = np.ones([int(d) for d in spec.shape], dtype=spec.dtype)
         for spec in self.inputs:  # the metadata says what an omitted input means (a neutral variant's context)
             if spec.default in ("zeros", "ones") and spec.name not in checked:
                 checked[spec.name] = default_mask(spec, checked, self.inputs, 0 if spec.default == "zeros" else 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncGenerator, Callable, Mapping
 
 import numpy as np
 
@@ -201,6 +201,8 @@ class GenerationModel:
         fuel budgets: :mod:`attnx.runtime.core.guided`), or ``[None] * count`` without one."""
         if grammar is None:
             return [None] * count
+        if self.grammars is None:  # a model made without one (from_files always makes it)
+            raise bad_input(f"'{param}': model {self.name!r} cannot constrain its output", param)
         try:
             return await self.grammars.guides(grammar, count)
         except GrammarError as e:
@@ -264,11 +266,15 @@ def response_grammar(body) -> Callable[[], str] | None:
 
 
 async def pieces(model: GenerationModel, prompt: list[int], params: SamplingParams,
-                 context: Mapping[str, np.ndarray] | None = None, guide=None) -> AsyncIterator[Piece]:
+                 context: Mapping[str, np.ndarray] | None = None, guide=None) -> AsyncGenerator[Piece, None]:
     """One generation's pieces as the scheduler makes them; leaving early (a client gone, an error)
     cancels it, which frees its batch row at the next step."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()  # pieces from the scheduler's thread to this loop
-    deliver = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Piece | ProtocolError] = asyncio.Queue()  # from the scheduler's thread to this loop
+
+    def deliver(item: Piece | ProtocolError) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
     try:
         handle = model.scheduler.submit(prompt, params, deliver, lambda message: deliver(ProtocolError(
             Kind.BAD_INPUT if isinstance(message, RequestFault) else Kind.INTERNAL, message)), context, guide)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 # The taxonomy lives in the core, which raises these too (it never imports the wire); re-exported for the wire and APIs.
 from attnx.runtime.core.errors import Kind, ProtocolError, bad_input, not_found, overloaded, too_large  # noqa: F401
@@ -60,7 +60,7 @@ class Shape:
 
     name: str
     table: dict
-    body: Callable[[ProtocolError, object], dict] | None = None
+    body: Callable[[ProtocolError, Any], dict] | None = None  # (error, its row of the table) -> JSON body
 
     def status(self, error: ProtocolError):
         """The HTTP status, or the ``grpc.StatusCode``, of ``error`` in this shape."""
@@ -80,6 +80,8 @@ class Shape:
             headers["WWW-Authenticate"] = 'Bearer realm="attnx"'
         if error.kind == K.BODY_TIMEOUT:  # the rest of its body is never read: the connection cannot be reused
             headers["Connection"] = "close"
+        if self.body is None:
+            raise TypeError(f"the {self.name} shape is not an HTTP one")
         return status, json.dumps(self.body(error, row)).encode(), headers
 
 

@@ -196,6 +196,7 @@ def _slow(limits: Limits, filled: int, size: int | None, elapsed: float) -> Prot
 INLINE_COST = 32 << 10
 #: After a request this big, freed heap pages go back to the system (glibc keeps them otherwise).
 _TRIM_BYTES = 4 << 20
+_LIBC: ctypes.CDLL | None
 try:
     _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
