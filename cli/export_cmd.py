@@ -191,6 +191,10 @@ def register(app: typer.Typer) -> None:
                                        "decoder that generates, KV cache in (past_key_values.*) and out (present.*), "
                                        "one file for prefill and decode, in its own folder with genai_config.json "
                                        "for onnxruntime-genai (`attnx generate`, `attnx serve`)."),
+        no_verify: bool = typer.Option(False, "--no-verify", help="Skip the check after export (one case, batch 1 "
+                                       "and 8 tokens, through ONNX Runtime against the PyTorch model still in "
+                                       "memory, at `attnx check`'s tolerance; run where the weights are in memory "
+                                       "and under 2 GiB)."),
     ) -> None:
         """Export a variant to ONNX (custom ops in domain attnx): attnx's own encoder stack, or a real
         pretrained model with the variant placed in it (--from-pretrained)."""
@@ -310,6 +314,13 @@ def register(app: typer.Typer) -> None:
         console.print(f"wrote [bold]{result.path}[/bold] ({info.lowering}, {info.precision}, "
                       f"{sum(p.numel() for p in result.model.parameters()):,} parameters, {size / 1e6:,.1f} MB)",
                       highlight=False)
+        if not no_verify:
+            from attnx.parity.after_export import verify_export
+
+            verified = verify_export(result.model, result.path, info)
+            if verified.passed is False:  # the file stays: `attnx check` tells the whole story
+                raise UserError(verified.line, code=1)
+            console.print(verified.line, highlight=False)
         typer.echo(str(result.path))
 
     @app.command("inspect")

@@ -172,10 +172,10 @@ def read_source(model_path: Path, onnx_path: Path | None = None) -> _Source:
 def _tokenizer_folder(source: _Source) -> tuple[Path, list[Path]]:
     """The export's tokenizer folder and its files, each checked to stay inside it (no escaping links)."""
     tokenizer = source.info.tokenizer  # type: ignore[union-attr]
-    folder = contained(source.info_dir, str(tokenizer.get("dir", "")), "the export's tokenizer folder")  # type: ignore[arg-type]
+    folder = tokenizer.folder(source.info_dir)  # type: ignore[union-attr,arg-type]
     if not folder.is_dir():
         raise FileNotFoundError(f"the export's tokenizer folder {folder} is missing (it travels beside the .onnx)")
-    file = contained(folder, str(tokenizer.get("file") or "tokenizer.json"), "the export's tokenizer file")
+    file = tokenizer.path(source.info_dir)  # type: ignore[union-attr,arg-type]
     if not file.is_file():
         raise FileNotFoundError(f"the export's tokenizer file {file} is missing")
     files = [contained(folder, p.name, "a file of the export's tokenizer folder") for p in sorted(folder.iterdir())]
@@ -266,7 +266,7 @@ def write_repository(
         plugin = find_plugin_library()
 
     net_name = names.model if names else name
-    pad_id = source.info.tokenizer.get("pad_id") if is_text else None  # type: ignore[union-attr]
+    pad_id = source.info.tokenizer.pad_id if is_text else None  # type: ignore[union-attr]
     net_config = model_config(
         net_name, (source.inputs, source.outputs), platform=source.platform, max_batch_size=batch,
         max_queue_delay_us=max_queue_delay_us, max_queue_size=max_queue_size, instance_kind=instance_kind,

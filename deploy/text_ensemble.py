@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version as package_version
 from typing import Any, Mapping
 
-from attnx.contract import BATCH, SEQ, Role
+from attnx.contract import BATCH, SEQ, Role, TokenizerSettings
 from attnx.deploy.triton import ConfigError, Enum, check_model_name
 from attnx.runtime.core.session import TensorSpec
 from attnx.runtime.core.text import TEXT_INPUT, TEXT_PAIR_INPUT  # the names `attnx serve` gives its text inputs too
@@ -61,22 +61,16 @@ class Tokenization:
     pad_to_multiple_of: int = 16
 
     @classmethod
-    def from_metadata(cls, tokenizer: Mapping[str, Any], *, max_length: int | None = None,
+    def from_metadata(cls, tokenizer: TokenizerSettings, *, max_length: int | None = None,
                       pad_to_multiple_of: int = 16) -> "Tokenization":
-        """From ``ModelInfo.tokenizer``; ``max_length`` may lower the export's (never raise it)."""
-        try:
-            exported = int(tokenizer["max_length"])
-            side, pad_id = str(tokenizer.get("truncation_side", "right")), int(tokenizer["pad_id"])
-            file = str(tokenizer.get("file") or "tokenizer.json")
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"the export's attnx.tokenizer metadata is incomplete ({e!r})") from None
+        """From ``ModelInfo.tokenizer`` (checked when read); ``max_length`` may lower the export's (never raise it)."""
+        exported = tokenizer.max_length
         if max_length is not None and not 1 <= max_length <= exported:
             raise ConfigError(f"max length {max_length} must be between 1 and the export's {exported}")
         if pad_to_multiple_of < 1:
             raise ConfigError(f"pad multiple must be >= 1, got {pad_to_multiple_of}")
-        if side not in ("left", "right"):
-            raise ConfigError(f"truncation side {side!r} in the export's metadata must be left or right")
-        return cls(file, max_length or exported, side, pad_id, pad_to_multiple_of)
+        return cls(tokenizer.file, max_length or exported, tokenizer.truncation_side, tokenizer.pad_id,
+                   pad_to_multiple_of)
 
 
 def id_inputs(inputs: list[TensorSpec]) -> dict[str, str]:

@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from attnx.contract import ContractError, ModelInfo, Role, TensorEntry, pretrained_task
+from attnx.contract import ContractError, ModelInfo, Role, TensorEntry, TokenizerSettings, pretrained_task
 
 #: Output names of the per-layer attention patterns (``attnx export --attention-outputs``).
 ATTENTION_OUTPUT = re.compile(r"^attentions\.(\d+)$")
@@ -54,7 +54,7 @@ class ModelFacts:
     main_output: str
     inputs: list[TensorEntry]
     outputs: list[TensorEntry]
-    tokenizer: dict | None = None
+    tokenizer: TokenizerSettings | None = None
 
     @property
     def context_inputs(self) -> list[TensorEntry]:
@@ -165,24 +165,24 @@ class TextEncoder:
     """The export's tokenizer with its recorded settings: truncation to ``max_length`` on the recorded
     side, no padding of single texts (the tokenizer file's own padding and truncation are replaced)."""
 
-    def __init__(self, tokenizer_json: str, settings: Mapping, input_names: Sequence[str]):
+    def __init__(self, tokenizer_json: str, settings: TokenizerSettings, input_names: Sequence[str]):
         from tokenizers import Tokenizer
 
         try:
             self.tokenizer = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises its own exception type
             raise ContractError(f"cannot read the tokenizer: {str(e).splitlines()[0][:120]}") from None
-        self.max_length = int(settings.get("max_length") or 512)
-        self.pad_id = int(settings.get("pad_id") or 0)
+        # The export's own length: there is no default (a guessed 512 cut texts a model never saw whole).
+        self.max_length, self.pad_id = settings.max_length, settings.pad_id
         # Byte-level BPE (GPT-2, Llama 3, Qwen...): tokens read "Ġcat"; each is shown decoded (" cat").
         decoder = json.loads(tokenizer_json).get("decoder") or {}
         self.byte_level = "ByteLevel" in {decoder.get("type"), *(d.get("type") for d in decoder.get("decoders") or [])}
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.max_length, direction=str(settings.get("truncation_side") or "right"))
+        self.tokenizer.enable_truncation(self.max_length, direction=settings.truncation_side)
         self.input_names = list(input_names)
 
     @classmethod
-    def from_file(cls, path: Path, settings: Mapping, input_names: Sequence[str]) -> "TextEncoder":
+    def from_file(cls, path: Path, settings: TokenizerSettings, input_names: Sequence[str]) -> "TextEncoder":
         if not path.is_file():
             raise ContractError(f"the tokenizer file {path} is missing (it is written beside the export)")
         return cls(path.read_text(encoding="utf-8"), settings, input_names)

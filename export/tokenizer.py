@@ -14,38 +14,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from attnx.contract import ContractError, ModelInfo, contained
+from attnx.contract import ContractError, ModelInfo
 
 
 @dataclass(frozen=True)
-class Encoded:
+class TokenizedText:
+    """One text as the export's tokenizer cut it: ids and segment ids as plain int tuples (hashable, written into
+    parity reports as they are), and whether it was cut at the max length. Serving's row of the same facts is
+    :class:`attnx.runtime.core.text.Encoded` (numpy int64, what the batcher stacks); export cannot import runtime."""
+
     ids: tuple[int, ...]
     type_ids: tuple[int, ...]
     truncated: bool
 
 
 class ExportTokenizer:
-    """The export's own tokenizer (see the module doc); ``max_length`` and ``pad_id`` from its metadata.
-    A missing or bad tokenizer is a :class:`~attnx.contract.ContractError` (one line)."""
+    """The export's own tokenizer (see the module doc); ``max_length`` and ``pad_id`` from its metadata
+    (:class:`~attnx.contract.TokenizerSettings`, checked when read). A missing tokenizer is a
+    :class:`~attnx.contract.ContractError` (one line)."""
 
     def __init__(self, model_path: str | os.PathLike, info: ModelInfo):
         from tokenizers import Tokenizer
 
-        meta = info.tokenizer or {}
-        if not meta.get("dir"):
+        settings = info.tokenizer
+        if settings is None:
             raise ContractError(f"{Path(model_path).name} names no tokenizer (attnx.tokenizer): re-export it with "
                                 "`attnx export --from-pretrained`")
-        try:
-            folder = contained(Path(model_path).parent, str(meta["dir"]), "the tokenizer folder named by attnx.tokenizer")
-            path = contained(folder, str(meta.get("file") or "tokenizer.json"), "the tokenizer file named by attnx.tokenizer")
-            self.max_length = int(meta["max_length"])
-            self.pad_id = int(meta.get("pad_id", 0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ContractError(f"bad attnx.tokenizer metadata in {Path(model_path).name} ({e!r})") from None
-        side = str(meta.get("truncation_side", "right"))
-        if side not in ("left", "right") or self.max_length < 1:
-            raise ContractError(f"bad attnx.tokenizer metadata in {Path(model_path).name}: truncation_side {side!r}, "
-                                f"max_length {self.max_length}")
+        path = settings.path(Path(model_path).parent)
+        self.max_length, self.pad_id, self.side = settings.max_length, settings.pad_id, settings.truncation_side
         if not path.is_file():
             raise ContractError(f"the tokenizer file {path} named by {Path(model_path).name} is missing (it is written "
                                 "beside the export by `attnx export --from-pretrained`)")
@@ -54,11 +50,11 @@ class ExportTokenizer:
         except Exception as e:  # tokenizers raises its own Exception type on bad JSON
             raise ContractError(f"cannot read the tokenizer {path}: {' '.join(str(e).split())[:160]}") from None
         self.tokenizer.no_padding()
-        self.tokenizer.enable_truncation(self.max_length, direction=side)
-        self.path, self.side = path, side
+        self.tokenizer.enable_truncation(self.max_length, direction=self.side)
+        self.path = path
 
-    def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        return [Encoded(tuple(e.ids), tuple(e.type_ids), bool(e.overflowing))
+    def encode(self, texts: Sequence[str]) -> list[TokenizedText]:
+        return [TokenizedText(tuple(e.ids), tuple(e.type_ids), bool(e.overflowing))
                 for e in self.tokenizer.encode_batch(list(texts))]
 
     def to_json(self) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from attnx.contract import ContractError, ModelInfo, TensorEntry, contained
+from attnx.contract import ContractError, ModelInfo, TensorEntry, TokenizerSettings
 from attnx.explain.source import ExplainError, Source, TextEncoder, model_facts
 
 
@@ -31,9 +31,8 @@ class SessionSource(Source):
         self.session = session
         facts = model_facts(info, name)
         encoder = None
-        if info.tokenizer:
-            tok_dir = contained(folder, info.tokenizer["dir"], "the tokenizer folder named by attnx.tokenizer")
-            encoder = TextEncoder.from_file(tok_dir / info.tokenizer.get("file", "tokenizer.json"), info.tokenizer,
+        if info.tokenizer is not None:
+            encoder = TextEncoder.from_file(info.tokenizer.path(folder), info.tokenizer,
                                             info.input_names)
         super().__init__(facts, encoder, label=getattr(session, "provider", "runtime"))
 
@@ -84,7 +83,7 @@ class ServerSource(Source):
         if info is None:
             raise ExplainError(f"{root}: model {model!r} has no attnx metadata")
         encoder = None
-        if body.get("tokenizer_json") and info.tokenizer:
+        if body.get("tokenizer_json") and info.tokenizer is not None:
             encoder = TextEncoder(body["tokenizer_json"], info.tokenizer, info.input_names)
         super().__init__(model_facts(info, model), encoder, label=f"server {root}")
         self.root, self.model_name = root, model
@@ -124,7 +123,8 @@ class TorchSource(Source):
     """A torch model with the export signature (``forward_named``), e.g. a pretrained folder's host or an
     export's rebuilt reference, with every layer's pattern and a head mask."""
 
-    def __init__(self, model, name: str, tokenizer: dict | None = None, tokenizer_path: Path | None = None):
+    def __init__(self, model, name: str, tokenizer: TokenizerSettings | dict | None = None,
+                 tokenizer_path: Path | None = None):
         from attnx.export.attention_outputs import WithAttentionOutputs
 
         if not isinstance(model, WithAttentionOutputs):
@@ -134,8 +134,8 @@ class TorchSource(Source):
                          inputs=[_entry(s) for s in model.input_specs()],
                          outputs=[_entry(s) for s in model.output_specs()], profiles={}, tokenizer=tokenizer)
         encoder = None
-        if tokenizer is not None and tokenizer_path is not None:
-            encoder = TextEncoder.from_file(tokenizer_path, tokenizer, info.input_names)
+        if info.tokenizer is not None and tokenizer_path is not None:
+            encoder = TextEncoder.from_file(tokenizer_path, info.tokenizer, info.input_names)
         super().__init__(model_facts(info, name), encoder, label="torch")
         self.info = info
 
@@ -174,9 +174,8 @@ def reference_source(path: Path) -> TorchSource:
 
     model, info = load_reference(path)
     tok_path = None
-    if info.tokenizer:
-        tok_path = contained(path.parent, info.tokenizer["dir"], "the tokenizer folder") / info.tokenizer.get(
-            "file", "tokenizer.json")
+    if info.tokenizer is not None:
+        tok_path = info.tokenizer.path(path.parent)
     return TorchSource(model, f"{path.name} (torch reference)", info.tokenizer, tok_path)
 
 

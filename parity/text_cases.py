@@ -23,7 +23,7 @@ from attnx.contract import BATCH, SEQ, Role, TensorEntry
 from attnx.parity.cases import ParityError
 
 if TYPE_CHECKING:  # the export's tokenizer; imported where it runs (attnx.export pulls in torch)
-    from attnx.export.tokenizer import Encoded
+    from attnx.export.tokenizer import TokenizedText
 
 #: Rows per batch at most (then the profile's own maximum): two batches of the built-in texts,
 #: each padded to its longest row.
@@ -55,7 +55,7 @@ class TextCase:
         return f"{self.batch}x{self.seq}"
 
 
-def text_cases(encoded: Sequence[Encoded], profiles: Mapping[str, Sequence[int]],
+def text_cases(encoded: Sequence[TokenizedText], profiles: Mapping[str, Sequence[int]],
                where: str = "model's") -> tuple[list[TextCase], list[int]]:
     """``(batches, left_out)``: the texts in order, at most ``min(BATCH_ROWS, batch max)`` rows per
     batch; texts longer than the profile's ``seq`` max (an engine built for shorter inputs) are left
@@ -84,7 +84,7 @@ class TextDataLoader:
     tokens, the other inputs from ``attnx.export.exporter.example_inputs`` (the variant's context
     at its example values, seeded; a head mask of ones), floats in the file's dtype."""
 
-    def __init__(self, model, inputs: Sequence[TensorEntry], cases: Sequence[TextCase], encoded: Sequence[Encoded],
+    def __init__(self, model, inputs: Sequence[TensorEntry], cases: Sequence[TextCase], encoded: Sequence[TokenizedText],
                  pad_id: int, seq_min: int = 1, seed: int = 0):
         self.model, self.inputs, self.cases = model, list(inputs), list(cases)
         self.encoded, self.pad_id, self.seq_min, self.seed = list(encoded), int(pad_id), int(seq_min), seed

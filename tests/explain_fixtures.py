@@ -39,7 +39,7 @@ def explained_minilm(variant: str = "mha", *, randomize: bool = False, **kw) -> 
             result.__dict__.pop("model", None)  # the shared reference was randomised: rebuild it on next use
         import shutil
 
-        tok = result.info.tokenizer["dir"]
+        tok = result.info.tokenizer.dir
         shutil.copytree(result.path.parent / tok, out.parent / tok)
 
     return exports.cached(cache.entry(f"minilm-{variant}.onnx", make, kind="randomized", source=str(result.path),

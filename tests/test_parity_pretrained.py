@@ -4,6 +4,7 @@ time (one line, non-zero exit, nothing half-written)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -283,7 +284,7 @@ def test_check_bad_input_is_one_line_and_writes_no_report(small_st, tmp_path):
     import onnx
 
     proto = onnx.load(str(m / "s.onnx"))
-    meta.tokenizer = {**meta.tokenizer, "max_length": 65}
+    meta.tokenizer = dataclasses.replace(meta.tokenizer, max_length=65)
     meta.write(proto)
     onnx.save(proto, str(m / "s.onnx"))
     one_line(attnx("check", m / "s.onnx", cwd=tmp_path), "truncates at 65 tokens", "64 positions")

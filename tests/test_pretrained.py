@@ -150,8 +150,8 @@ def test_export_matches_transformers_and_the_reference(variant, minilm_export, b
     assert info.input_names[:3] == ["input_ids", "attention_mask", "token_type_ids"]
     assert info.input("input_ids").range == (0, 30522)
     assert info.output_names[:2] == ["last_hidden_state", "sentence_embedding"]
-    assert info.tokenizer["max_length"] == 256 and info.tokenizer["pad_id"] == 0
-    assert (result.path.parent / info.tokenizer["dir"] / "tokenizer.json").is_file()
+    assert info.tokenizer.max_length == 256 and info.tokenizer.pad_id == 0
+    assert (result.path.parent / info.tokenizer.dir / "tokenizer.json").is_file()
     assert info.profiles["seq"][2] == 256
     # context at 0.1 scale: smal's distance grows with |q - k|^2 (|q| ~ 10 in MiniLM), and the exact
     # expansion the exported graph computes loses ~1e-7 relative of it in fp32 (ORT vs the literal reference)

@@ -200,7 +200,7 @@ def test_text_repository_is_an_ensemble_whose_configs_parse_with_tritons_schema(
 
     assert (shipped / "model.py").read_text() == open(tokenizer_model.__file__).read()
     # the export's tokenizer.json travels as exported: the source's fixed 128 padding off, truncation at 256
-    exported = minilm_onnx.parent / ModelInfo.read(minilm_onnx).tokenizer["dir"] / "tokenizer.json"
+    exported = minilm_onnx.parent / ModelInfo.read(minilm_onnx).tokenizer.dir / "tokenizer.json"
     assert sha256_file(shipped / "tokenizer" / "tokenizer.json") == sha256_file(exported)
     shipped_json = json.loads((shipped / "tokenizer" / "tokenizer.json").read_text())
     assert shipped_json["padding"] is None and shipped_json["truncation"]["max_length"] == 256
@@ -336,7 +336,7 @@ def _fake_engine(tmp_path, onnx_path, seq_max):
     engine = tmp_path / "minilm.engine"
     engine.write_bytes(b"ftrt" + bytes(64))
     shutil.copy2(onnx_path, tmp_path / "minilm.onnx")
-    folder = ModelInfo.read(onnx_path).tokenizer["dir"]  # the ONNX names its tokenizer folder
+    folder = ModelInfo.read(onnx_path).tokenizer.dir  # the ONNX names its tokenizer folder
     shutil.copytree(onnx_path.parent / folder, tmp_path / folder)
     ids = {"dtype": "int64", "shape": ["batch", "seq"]}
     (tmp_path / "minilm.engine.json").write_text(json.dumps({

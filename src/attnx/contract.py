@@ -9,7 +9,8 @@ has one home (docs/architecture.md, "The file contract"):
 - **Axes and roles**: dynamic dims are named :data:`BATCH` / :data:`SEQ`; every input and output
   has a role (:class:`Role`).
 - **Metadata** (``metadata_props``, keys ``attnx.*``): :class:`ModelInfo` writes and reads them,
-  versioned by ``attnx.schema`` (files without it are schema 1 and read the same way).
+  versioned by ``attnx.schema`` (files without it are schema 1 and read the same way); a text model's
+  ``attnx.tokenizer`` is :class:`TokenizerSettings`, checked once, when the file is read.
 - **Profiles**: ``{"batch": (min, opt, max), "seq": (...)}``, parsed and checked here only.
 - **Engine sidecar**: ``<engine>.json`` beside every engine (:func:`read_sidecar`,
   :func:`write_sidecar`, :func:`verify_engine`).
@@ -25,7 +26,10 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+if TYPE_CHECKING:  # imported where used: serving reads the contract without loading onnx
+    import onnx
 
 # ============================================================================ custom ops
 
@@ -82,7 +86,7 @@ _DEFAULT_INPUT_ROLES = {name: name for name in (Role.HIDDEN_STATES, Role.INPUT_I
 MAIN_OUTPUTS = ("output", "last_hidden_state", "sentence_embedding", "logits")
 
 
-def pretrained_task(config: dict) -> str:
+def pretrained_task(config: dict[str, Any]) -> str:
     """The task of a ``--from-pretrained`` export's ``attnx.config``: its ``task``. attnx 0.1 files name only
     their hand-built host (``bert``: embeddings, ``gpt2``: a causal LM)."""
     return config.get("task") or ("causal-lm" if config.get("host") == "gpt2" else "feature-extraction")
@@ -122,12 +126,12 @@ class TensorEntry:
     name: str
     role: str
     dtype: str  # numpy dtype name: float32, float16, int64, ...
-    shape: tuple
+    shape: tuple[int | str, ...]
     range: tuple[int, int] | None = None
     doc: str = ""
     default: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape)}
         if self.range is not None:
             out["range"] = list(self.range)
@@ -143,7 +147,7 @@ class TensorEntry:
             raise ContractError(f"bad tensor entry in attnx metadata: {item!r}")
         rng = item.get("range")
         try:
-            bounds = tuple(int(v) for v in rng) if isinstance(rng, (list, tuple)) and len(rng) == 2 else None
+            bounds = (int(rng[0]), int(rng[1])) if isinstance(rng, (list, tuple)) and len(rng) == 2 else None
         except (TypeError, ValueError):
             raise ContractError(f"bad range {rng!r} of {item['name']!r} in attnx metadata") from None
         if bounds is not None and not bounds[0] < bounds[1]:
@@ -157,6 +161,75 @@ class TensorEntry:
                    range=bounds, doc=str(item.get("doc", "")), default=default)
 
 
+TRUNCATION_SIDES = ("left", "right")
+
+
+@dataclass(frozen=True)
+class TokenizerSettings:
+    """``attnx.tokenizer``: how a text model's export is tokenised, read and checked here only.
+
+    ``dir`` is the tokenizer folder beside the ``.onnx`` (relative to it), ``file`` the ``tokenizer.json`` in it;
+    texts are cut to ``max_length`` tokens on ``truncation_side`` and batches padded with ``pad_id``. Every
+    ``--from-pretrained`` export (attnx 0.1's included) writes all of them; ``max_length`` has no default: a
+    reader never guesses a model's length. Unknown keys are kept in ``extra`` and written back unchanged."""
+
+    dir: str
+    max_length: int
+    file: str = "tokenizer.json"
+    truncation_side: str = "right"
+    pad_id: int = 0
+    model_type: str | None = None  # the source's model_type (bert, gpt2, ...), informative
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    _KEYS = ("dir", "file", "max_length", "truncation_side", "pad_id", "model_type")
+
+    @classmethod
+    def from_metadata(cls, meta: Any) -> "TokenizerSettings":
+        """The checked settings of an ``attnx.tokenizer`` value (a one-line :class:`ContractError` if bad)."""
+        if not isinstance(meta, Mapping):
+            raise ContractError(f"attnx.tokenizer metadata is not an object: {str(meta)[:80]!r} (re-export the model)")
+        for key in ("dir", "max_length"):
+            if key not in meta:
+                raise ContractError(f"attnx.tokenizer metadata has no {key} (re-export the model)")
+        for key in ("max_length", "pad_id"):
+            value = meta.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ContractError(f"attnx.tokenizer {key} {value!r} is not an integer (the file's metadata was "
+                                    "changed; re-export it)")
+        if not isinstance(meta["dir"], str) or not meta["dir"]:
+            raise ContractError(f"attnx.tokenizer dir {meta['dir']!r} is not a folder name (re-export the model)")
+        for key in ("file", "truncation_side"):
+            if not isinstance(meta.get(key, ""), str):
+                raise ContractError(f"attnx.tokenizer {key} {meta[key]!r} is not a string (re-export the model)")
+        side = meta.get("truncation_side", "right")
+        if side not in TRUNCATION_SIDES:
+            raise ContractError(f"attnx.tokenizer truncation_side {side!r} must be left or right")
+        if meta["max_length"] < 1:
+            raise ContractError(f"attnx.tokenizer max length {meta['max_length']} must be at least 1")
+        if meta.get("pad_id", 0) < 0:
+            raise ContractError(f"attnx.tokenizer pad id {meta['pad_id']} is outside the token ids (negative)")
+        model_type = meta.get("model_type")
+        return cls(dir=meta["dir"], max_length=meta["max_length"], file=meta.get("file") or "tokenizer.json",
+                   truncation_side=side, pad_id=meta.get("pad_id", 0),
+                   model_type=str(model_type) if model_type is not None else None,
+                   extra={k: v for k, v in meta.items() if k not in cls._KEYS})
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"dir": self.dir, "file": self.file, "max_length": self.max_length,
+               "truncation_side": self.truncation_side, "pad_id": self.pad_id, **self.extra}
+        if self.model_type is not None:
+            out["model_type"] = self.model_type
+        return out
+
+    def folder(self, model_dir: str | os.PathLike[str]) -> Path:
+        """The tokenizer folder, which must lie inside ``model_dir`` (the folder of the ``.onnx``)."""
+        return contained(model_dir, self.dir, "the tokenizer folder named by attnx.tokenizer")
+
+    def path(self, model_dir: str | os.PathLike[str]) -> Path:
+        """The ``tokenizer.json`` (checked to lie inside the folder; whether it exists is the caller's check)."""
+        return contained(self.folder(model_dir), self.file, "the tokenizer file named by attnx.tokenizer")
+
+
 @dataclass
 class ModelInfo:
     """The ``attnx.*`` metadata of an export: what the file is and how to feed it.
@@ -167,26 +240,30 @@ class ModelInfo:
     """
 
     variant: str
-    config: dict  # everything needed to rebuild the PyTorch reference
+    config: dict[str, Any]  # everything needed to rebuild the PyTorch reference
     lowering: str  # plugin | rewrite
     precision: str  # fp32 | fp16 | int8 (CPU: int8 MatMul weights, attnx.export.quantize)
     inputs: list[TensorEntry]
     outputs: list[TensorEntry]
-    profiles: dict  # {"batch": [min, opt, max], "seq": [...]}
+    profiles: dict[str, Any]  # {"batch": [min, opt, max], "seq": [...]}
     version: str = ""  # attnx version that wrote the file
     weights: str | None = None  # safetensors file beside the model (the reference's weights)
-    tokenizer: dict | None = None  # text models: {"dir", "max_length", "truncation_side", "pad_id", ...}
-    quantization: dict | None = None  # int8: {"weight_bits", "matmuls", "smoothing_alpha", "calibration", ...}
+    tokenizer: TokenizerSettings | None = None  # text models (a dict given here is checked into one)
+    quantization: dict[str, Any] | None = None  # int8: {"weight_bits", "matmuls", "smoothing_alpha", "calibration", ...}
     #: decoders exported with their KV cache: each cached tensor's input/output names, layer and grown axis,
     #: and what generation needs (attnx.export.with_past.cache_metadata)
-    cache: dict | None = None
+    cache: dict[str, Any] | None = None
     #: pretrained exports: the source folder the reference's pretrained weights are read from (path, and each
     #: weight file's size and sha256); ``weights`` then holds only what the folder lacks (the placed variant's)
-    reference: dict | None = None
+    reference: dict[str, Any] | None = None
     schema: int = SCHEMA_VERSION
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     _JSON_KEYS = ("config", "inputs", "outputs", "profiles", "tokenizer", "quantization", "cache", "reference")
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and not isinstance(self.tokenizer, TokenizerSettings):
+            self.tokenizer = TokenizerSettings.from_metadata(self.tokenizer)
 
     # ---- lookups ------------------------------------------------------------------------
     def input(self, name: str) -> TensorEntry:
@@ -221,12 +298,14 @@ class ModelInfo:
                 continue
             if f.name in ("inputs", "outputs"):
                 value = [e.to_json() for e in value]
+            elif isinstance(value, TokenizerSettings):
+                value = value.to_json()
             props[PREFIX + f.name] = value if isinstance(value, str) else json.dumps(value)
         for key, value in self.extra.items():
             props[PREFIX + key] = value if isinstance(value, str) else json.dumps(value)
         return props
 
-    def write(self, model) -> None:
+    def write(self, model: onnx.ModelProto) -> None:
         """Replace the ``attnx.*`` entries of an ``onnx.ModelProto``'s ``metadata_props``."""
         keep = [(p.key, p.value) for p in model.metadata_props if not p.key.startswith(PREFIX)]
         del model.metadata_props[:]
@@ -270,14 +349,14 @@ class ModelInfo:
         return cls(**parsed)
 
     @classmethod
-    def read(cls, model) -> "ModelInfo | None":
+    def read(cls, model: str | os.PathLike[str] | onnx.ModelProto) -> "ModelInfo | None":
         """The metadata of an ``onnx.ModelProto`` or a path to one (weights are not loaded)."""
         if isinstance(model, (str, os.PathLike)):
             model = load_onnx(model)
         return cls.from_props({p.key: p.value for p in model.metadata_props})
 
 
-def load_onnx(path: str | os.PathLike, *, with_data: bool = False):
+def load_onnx(path: str | os.PathLike[str], *, with_data: bool = False) -> onnx.ModelProto:
     """``onnx.load`` with one clear error for a missing or unreadable file."""
     import onnx
 
@@ -299,7 +378,7 @@ def load_onnx(path: str | os.PathLike, *, with_data: bool = False):
 DEFAULT_PROFILES = {BATCH: (1, 8, 32), SEQ: (1, 128, 512)}
 
 
-def check_profile(axis: str, values: Iterable) -> tuple[int, int, int]:
+def check_profile(axis: str, values: Iterable[Any]) -> tuple[int, int, int]:
     try:
         lo, opt, hi = (int(v) for v in values)
     except (TypeError, ValueError):
@@ -309,7 +388,7 @@ def check_profile(axis: str, values: Iterable) -> tuple[int, int, int]:
     return lo, opt, hi
 
 
-def check_profiles(profiles: Mapping[str, Iterable], required: Sequence[str] = AXES) -> dict[str, tuple[int, int, int]]:
+def check_profiles(profiles: Mapping[str, Iterable[Any]], required: Sequence[str] = AXES) -> dict[str, tuple[int, int, int]]:
     """Validate ``{axis: (min, opt, max)}``; every axis in ``required`` must be there."""
     for axis in required:
         if axis not in profiles:
@@ -354,8 +433,8 @@ def read_profiles(props: Mapping[str, str]) -> dict[str, tuple[int, int, int]]:
     return {axis: check_profile(axis, rng) for axis, rng in data.items()}
 
 
-def merge_profiles(base: Mapping[str, Iterable] | None,
-                   overrides: Mapping[str, Iterable] | None) -> dict[str, tuple[int, int, int]]:
+def merge_profiles(base: Mapping[str, Iterable[Any]] | None,
+                   overrides: Mapping[str, Iterable[Any]] | None) -> dict[str, tuple[int, int, int]]:
     """``base`` (e.g. a file's ``attnx.profiles``) with ``overrides`` on top, each checked."""
     out = {axis: check_profile(axis, rng) for axis, rng in (base or {}).items()}
     out.update({axis: check_profile(axis, rng) for axis, rng in (overrides or {}).items()})
@@ -364,7 +443,7 @@ def merge_profiles(base: Mapping[str, Iterable] | None,
 
 # ============================================================================ files
 
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -372,14 +451,18 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def graph_io(model) -> tuple[list[tuple[str, str, list]], list[tuple[str, str, list]]]:
+#: A graph input or output: ``(name, numpy dtype name, dims)``, each dim an int, a dim name or None.
+GraphIO = tuple[str, str, list[int | str | None]]
+
+
+def graph_io(model: onnx.ModelProto) -> tuple[list[GraphIO], list[GraphIO]]:
     """The graph's own inputs (initializers left out) and outputs of an ``onnx.ModelProto``, each as
     ``(name, numpy dtype name, dims)``; a dim is an int, a dim name (``batch``, ``seq``), or None."""
     import onnx
 
     initializers = {i.name for i in model.graph.initializer}
 
-    def one(vi) -> tuple[str, str, list]:
+    def one(vi: onnx.ValueInfoProto) -> GraphIO:
         t = vi.type.tensor_type
         dims = [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else None)
                 for d in t.shape.dim]
@@ -388,7 +471,7 @@ def graph_io(model) -> tuple[list[tuple[str, str, list]], list[tuple[str, str, l
     return [one(v) for v in model.graph.input if v.name not in initializers], [one(v) for v in model.graph.output]
 
 
-def contained(base: str | os.PathLike, relative: str, what: str) -> Path:
+def contained(base: str | os.PathLike[str], relative: str, what: str) -> Path:
     """``base / relative``, refusing a path that leaves ``base`` (file contents are untrusted)."""
     root = Path(base).resolve()
     target = (root / relative).resolve()
@@ -405,13 +488,13 @@ SIDECAR_FORMAT = 1
 PLAN_MAGICS = (b"vtrt", b"ftrt")
 
 
-def sidecar_path(engine: str | os.PathLike) -> Path:
+def sidecar_path(engine: str | os.PathLike[str]) -> Path:
     """``x.engine`` -> ``x.engine.json``."""
     p = Path(engine)
     return p.with_name(p.name + ".json")
 
 
-def read_sidecar(engine: str | os.PathLike) -> dict | None:
+def read_sidecar(engine: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The sidecar of an engine (``x.engine.json``, or an attnx sidecar at ``x.json``); None when
     there is none. A broken ``x.engine.json`` is a :class:`ContractError`."""
     p = Path(engine)
@@ -432,7 +515,7 @@ def read_sidecar(engine: str | os.PathLike) -> dict | None:
     return None
 
 
-def write_sidecar(engine: str | os.PathLike, data: Mapping[str, Any]) -> Path:
+def write_sidecar(engine: str | os.PathLike[str], data: Mapping[str, Any]) -> Path:
     """Write ``<engine>.json`` atomically."""
     side = sidecar_path(engine)
     tmp = side.with_name(side.name + ".tmp")
@@ -441,7 +524,7 @@ def write_sidecar(engine: str | os.PathLike, data: Mapping[str, Any]) -> Path:
     return side
 
 
-def plan_declared_size(engine: str | os.PathLike) -> int | None:
+def plan_declared_size(engine: str | os.PathLike[str]) -> int | None:
     """The total size a plan's header records, where the format is known: TensorRT-RTX plans (``vtrt``)
     hold it as a little-endian uint64 at byte 16 (measured with TensorRT-RTX 1.7). None otherwise."""
     with open(engine, "rb") as f:
@@ -451,7 +534,7 @@ def plan_declared_size(engine: str | os.PathLike) -> int | None:
     return None
 
 
-def verify_engine(engine: str | os.PathLike) -> dict | None:
+def verify_engine(engine: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Check an engine file against its sidecar (size and sha256); returns the sidecar, or None
     when the engine has none but looks like a plan. Anything else is a :class:`ContractError`."""
     p = Path(engine)

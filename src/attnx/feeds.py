@@ -8,14 +8,28 @@ session's ``TensorSpec``. numpy only.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from attnx.contract import BATCH, SEQ, Role
 
 
-def synthetic_feeds(inputs: Sequence, batch: int, seq: int, rng: np.random.Generator, *,
+class InputSpec(Protocol):
+    """What a feed is made from: a runtime ``TensorSpec`` or the contract's ``TensorEntry``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> npt.DTypeLike: ...
+    @property
+    def shape(self) -> Sequence[int | str | None]: ...
+    @property
+    def role(self) -> str: ...
+
+
+def synthetic_feeds(inputs: Sequence[InputSpec], batch: int, seq: int, rng: np.random.Generator, *,
                     length: int | None = None) -> dict[str, np.ndarray]:
     """Valid random inputs for a model: unit-scale floats, a mask of ``length`` ones then padding.
 
