@@ -403,7 +403,7 @@ def quantize_weights(src, dst, bits: int, block_size: int = BLOCK_SIZE) -> int:
     quantized as it is written); returns how many MatMuls became MatMulNBits."""
     from attnx.contract import ModelInfo
     from attnx.export import onnx_file
-    from attnx.export.exporter import save_model, write_info
+    from attnx.export.saving import save_model, write_info
 
     model = onnx_file.load(src)
     info = ModelInfo.from_props(dict(model.metadata_props))
