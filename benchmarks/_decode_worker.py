@@ -5,7 +5,8 @@ Kinds (each configured as its own docs tell a user, with ``THREADS`` intra-op th
 
 - ``attnx``: ``attnx.runtime.core.decoding.Decoder`` on a with-past export (ONNX Runtime, ``load(threads=)``);
 - ``llama-cpp``: llama-cpp-python's ``Llama`` on a GGUF file (``n_threads`` = ``n_threads_batch`` =
-  THREADS, ``n_batch`` 512, greedy sampler: ``top_k=1``, ``temp=0``);
+  THREADS, ``n_batch`` 512, greedy sampler: ``top_k=1``, ``temp=0``); ``OPTION``: more ``Llama`` keywords as
+  ``key=value,...`` (``flash_attn=1``: llama.cpp's own default on CPU, which llama-cpp-python turns off);
 - ``genai``: onnxruntime-genai's ``Generator`` on a folder with ``genai_config.json`` (its session options
   carry the threads; ``bench_decode.py`` writes them);
 - ``ct2``: CTranslate2's ``Generator`` on a converted folder, ``OPTION`` = compute type
@@ -68,6 +69,9 @@ def llama_cpp(model: str, threads: int, option: str):
     from llama_cpp import Llama
 
     kw = dict(n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512, verbose=False)
+    for item in filter(None, option.split(",")):  # "flash_attn=1,n_ubatch=256": ints, 0/1 for booleans
+        key, _, value = item.partition("=")
+        kw[key] = int(value) if key != "flash_attn" else bool(int(value))
     llm = Llama(model_path=model, **kw)
     scorer = []  # a second context with logits for every position, made on the first nll request only
 

