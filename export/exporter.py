@@ -48,7 +48,7 @@ from attnx.export.protocol import check_exportable, is_cached
 from attnx.export.type_promotion import promotion_from_the_trace
 from attnx.models.checkpoint import load_checkpoint, save_checkpoint
 from attnx.export.fp16 import FP32_OPS, FP32_OPS_WITH_CACHE, to_fp16
-from attnx.export.saving import save_model, write_info  # noqa: F401  (their home before; quantize, fp16 use saving)
+from attnx.export.saving import save_model, write_info  # noqa: F401  (their home before)
 from attnx.export.staging import Staging, check_room
 from attnx.export.streaming import bind_initializers
 from attnx.models.attention import attention_path
@@ -293,23 +293,6 @@ def _entries(values, specs: dict) -> list[TensorEntry]:
     return out
 
 
-def _give_defaults(model, defaults) -> None:
-    """Each ``(spec, value)`` as an initializer of the graph input of that name (ONNX's overridable initializer:
-    ONNX Runtime uses it when the input is not fed; TensorRT reads it as a constant)."""
-    import onnx_ir as ir
-
-    by_name = {spec.name: value for spec, value in defaults}
-    for value in model.graph.inputs:
-        if value.name in by_name:
-            value.const_value = ir.tensor(by_name[value.name].numpy(), name=value.name)
-            model.graph.register_initializer(value)
-
-
-def _required(model) -> list:
-    """The graph inputs a caller must feed (those with a default left out, as ``attnx.contract.graph_io`` does)."""
-    return [v for v in model.graph.inputs if v.name not in model.graph.initializers]
-
-
 def export_names(path: Path) -> set[str]:
     """The final names an export to ``path`` writes or replaces beside it."""
     return {path.name, path.name + ".data", path.with_suffix(".safetensors").name, f"{path.stem}.tokenizer"}
@@ -376,7 +359,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     inputs, outputs = model.input_specs() + [spec for spec, _ in defaults], model.output_specs()
     graph, profiles = build_graph(model, inputs, outputs, lowering=lowering, opset=opset, profiles=profiles, fuse=fuse,
                                   fp16=fp16, step=step)
-    _give_defaults(graph, defaults)
+    passes.give_defaults(graph, defaults)
 
     quantization = None
     if weight_only_bits is not None:  # each weight quantized when it is written (attnx.export.weight_only)
@@ -393,7 +376,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     specs = {s.name: s for s in [*inputs, *outputs]}
     precision = "fp16" if fp16 else "fp32" if weight_only_bits is None else f"int{weight_only_bits}-weights"
     info = ModelInfo(variant=model.variant, config=model.config_dict(), lowering=lowering,
-                     precision=precision, inputs=_entries(_required(graph), specs),
+                     precision=precision, inputs=_entries(passes.required_inputs(graph), specs),
                      outputs=_entries(graph.graph.outputs, specs), profiles={k: list(v) for k, v in profiles.items()},
                      version=attnx.__version__, weights=weights_path.name if weights_path else None,
                      tokenizer=tokenizer, cache=model.cache_metadata() if is_cached(model) else None,

@@ -221,3 +221,18 @@ def io_entries(values: Sequence[ir.Value]) -> list[tuple[str, str, tuple]]:
         dims = tuple(d.value if isinstance(d, ir.SymbolicDim) else int(d) for d in (value.shape or ()))
         out.append((value.name, np.dtype(value.dtype.numpy()).name, dims))
     return out
+
+
+def give_defaults(model: ir.Model, defaults) -> None:
+    """Each ``(spec, value)`` as an initializer of the graph input of that name (ONNX's overridable initializer:
+    ONNX Runtime uses it when the input is not fed; TensorRT reads it as a constant)."""
+    by_name = {spec.name: value for spec, value in defaults}
+    for value in model.graph.inputs:
+        if value.name in by_name:
+            value.const_value = ir.tensor(by_name[value.name].numpy(), name=value.name)
+            model.graph.register_initializer(value)
+
+
+def required_inputs(model: ir.Model) -> list:
+    """The graph inputs a caller must feed (those with a default left out, as ``attnx.contract.graph_io`` does)."""
+    return [v for v in model.graph.inputs if v.name not in model.graph.initializers]
