@@ -29,6 +29,26 @@ def folder(name: str) -> Path:
     return exports.hf_folder(name)
 
 
+def _heads_of_16(path: Path) -> None:
+    """The tiny Llama re-made with 2 query heads and 1 key/value head of 16 (ONNX Runtime's GroupQueryAttention
+    takes head sizes that are multiples of 16; the tiny one's are 8), random weights widened as the others'."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 2, 1, 16
+    torch.manual_seed(16)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.mul_(8.0) if p.dim() >= 2 else p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+
+
+def wide_heads_folder() -> Path:
+    """The tiny random Llama with heads of 16 (2 query heads sharing 1 key/value head)."""
+    return exports.hf_folder("llama", edit=_heads_of_16, tag="head-dim-16")
+
+
 def _add_chat_template(path: Path) -> None:
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     cfg["chat_template"] = CHAT_TEMPLATE

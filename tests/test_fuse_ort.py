@@ -6,7 +6,9 @@ tests already export (the shared export cache: no export of its own):
 - plain attention (Llama: RMS norms, rotary, grouped K/V): every fusion applies; a prompt per row, the rows merged
   into one left-padded batch (masked slots at the front of the shorter row) and decoded: the same greedy tokens,
   logits within 1e-4; one run of several new tokens over a past for two rows with a masked slot (what ONNX
-  Runtime's GroupQueryAttention refuses) gives the same logits and ``present`` tensors;
+  Runtime's GroupQueryAttention refuses: run row by row) gives the same logits and ``present`` tensors;
+- heads of 16 (a second tiny Llama): GroupQueryAttention with the cache held in place (kv_in_place), through
+  prefill, merge, select, a state stepped twice and buffers that outgrow their capacity;
 - a placed variant (trained smal; trained maw appended) keeps its own ops and gains the fusions around them, same bar;
 - the file on disk is not changed; a file that is not a with-past export, or a rewrite that fails, runs as written.
 """
@@ -85,10 +87,70 @@ def test_plain_attention_gains_every_fusion_and_decodes_the_same():
     assert _digest(path) == before  # the file stays standard ONNX (for TensorRT)
 
 
-def test_several_new_tokens_over_a_past_for_a_batch():
+def _selected_greedy(session, prompts):
+    """:func:`_greedy`, then row 1 alone (``select``) for two more steps, then row 1 stepped twice from one state
+    (a fork): (tokens, logits per step)."""
+    decoder = Decoder(session)
+    tokens, logits = _greedy(session, prompts)
+    firsts, states = zip(*(decoder.start(p) for p in prompts))
+    state = decoder.merge(states)
+    for step in range(STEPS - 1):
+        _, state = decoder.step(state, [row[step + 1] for row in tokens])
+    state = decoder.select(state, [1])
+    for _ in range(2):
+        step_logits, state = decoder.step(state, [tokens[1][-1]])
+        logits.append(step_logits)
+        tokens[1].append(int(np.argmax(step_logits[0])))
+    one, _ = decoder.step(state, [5])
+    other, after = decoder.step(state, [7])  # the same state again: its cache must not have changed
+    again, _ = decoder.step(state, [5])
+    logits += [one, other, again]
+    return tokens, logits, after
+
+
+def test_grouped_query_attention_with_the_cache_in_place(monkeypatch):
+    """Heads of 16: the attention becomes GroupQueryAttention (rotary inside, the packed Q/K/V read as it is) and
+    the cache stays in buffers the kernel writes into. Prefill, a merged left-padded batch, ``select``, a state
+    stepped twice, buffers outgrown (first capacity 8): the tokens and logits of the file as written."""
+    import onnx
+
+    from attnx.runtime.core import kv_in_place
+
+    monkeypatch.setattr(kv_in_place, "FIRST_CAPACITY", 8)
+    path = gf.export(gf.wide_heads_folder(), "mha")
+    fused, plain = _load(path, True), _load(path, False)
+    assert fused.fusions["grouped_query_attention"] == fused.fusions["attention_with_past"] == 2, fused.fusions
+    assert fused.fusions["cache_in_place"] == 1 and fused.in_place_cache and not plain.in_place_cache
+    ops = [n.op_type for n in _fused_graph(path).node]
+    assert ops.count("GroupQueryAttention") == 2 and not {"Attention", "RotaryEmbedding"} & set(ops)
+    written = onnx.load(str(path), load_external_data=False).graph.node
+    assert ops.count("Split") < sum(n.op_type == "Split" for n in written)  # the packed Q/K/V's split is read in
+    prompts = _prompts(Decoder(plain).vocab_size)
+    want_tokens, want, _ = _selected_greedy(plain, prompts)
+    got_tokens, got, state = _selected_greedy(fused, prompts)
+    assert got_tokens == want_tokens
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
+    assert state.buffers is not None and state.buffers.capacity >= state.slots
+    for name, view in state.cache.items():  # the state's cache is a view of the buffers ORT wrote
+        assert np.shares_memory(view, state.buffers.arrays[name]) and view.shape[2] == state.slots
+
+
+def test_cache_buffers_grow_by_doubling():
+    from attnx.runtime.core.kv_in_place import FIRST_CAPACITY, capacity_for
+
+    assert capacity_for(5) == FIRST_CAPACITY
+    assert capacity_for(FIRST_CAPACITY + 1, FIRST_CAPACITY) == 2 * FIRST_CAPACITY
+    assert capacity_for(5 * FIRST_CAPACITY, FIRST_CAPACITY) == 8 * FIRST_CAPACITY
+    assert capacity_for(5, limit=65) == 65 and capacity_for(70, 64, limit=65) == 70
+
+
+@pytest.mark.parametrize("heads", ["8", "16"])
+def test_several_new_tokens_over_a_past_for_a_batch(heads):
     """Two rows, three new tokens each over a past of four slots, a masked slot in front and a left-padded row:
-    logits and every ``present`` tensor as the file computes them."""
-    path = gf.export(gf.folder("llama"), "mha")
+    logits and every ``present`` tensor as the file computes them (with heads of 16, GroupQueryAttention's kernel
+    refuses this for two rows: the session runs it row by row)."""
+    path = gf.export(gf.folder("llama") if heads == "8" else gf.wide_heads_folder(), "mha")
     fused, plain = _load(path, True), _load(path, False)
     g = np.random.default_rng(0)
     feeds = {}
@@ -104,6 +166,7 @@ def test_several_new_tokens_over_a_past_for_a_batch():
                  position_ids=np.array([[5, 6, 7], [3, 4, 5]], np.int64))
     names = plain.output_names
     want, got = plain.run(feeds, names), fused.run(feeds, names)
+    assert bool(fused.fusions.get("grouped_query_attention")) == (heads == "16"), fused.fusions
     for name in names:
         np.testing.assert_allclose(got[name], want[name], atol=ATOL, rtol=0, err_msg=name)
 

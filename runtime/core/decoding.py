@@ -37,6 +37,7 @@ import numpy as np
 from pathlib import Path
 
 from attnx.contract import ContractError, ModelInfo, Role, contained
+from attnx.runtime.core.kv_in_place import InPlaceKv, KvBuffers
 from attnx.runtime.core.session import InputError, Session
 
 
@@ -146,6 +147,7 @@ class DecodeState:
     mask: np.ndarray
     positions: np.ndarray
     context: dict[str, np.ndarray] = field(default_factory=dict)
+    buffers: "KvBuffers | None" = field(default=None, repr=False, compare=False)  # the cache's, held in place
 
     @property
     def rows(self) -> int:
@@ -265,6 +267,10 @@ class Decoder:
         self.max_positions = min(limits) if limits else None
         self._cached_bytes = {t.input: (_fixed_bytes(self._shapes[t.input], t.axis, self._dtypes[t.input]), t.axis)
                               for t in self.layout.tensors}
+        # the cache held in place between steps where the session can (kv_in_place; ONNX Runtime on the CPU)
+        self._in_place = InPlaceKv(session, self.layout.tensors, self.vocab_size, self._ids.name, self._mask.name,
+                                   self.max_positions) \
+            if not bind and self.vocab_size and InPlaceKv.usable(session, self.layout.tensors) else None
 
     # ---- the KV cache's size ----------------------------------------------------------------------
     @property
@@ -352,6 +358,10 @@ class Decoder:
     def _advance(self, state: DecodeState, feeds, new_tokens: np.ndarray, validate: bool):
         if validate:
             feeds = self.session.check_feeds(feeds)
+        if self._in_place is not None:
+            logits, cache, buffers = self._in_place.run(state, feeds)
+            return logits, DecodeState(cache, feeds[self._mask.name], state.positions + new_tokens, state.context,
+                                       buffers)
         out = self._keeping(feeds, self._outputs, self._present) if self._keeping is not None else \
             self.session._run(feeds, self._outputs)
         cache = {t.input: out[t.output] for t in self.layout.tensors}

@@ -2,7 +2,7 @@
 
 A decoding step at batch 1 reads every weight once (the MatMuls), and around them runs ~1,500 small nodes per
 token (SmolLM2-135M: each RMS norm 7 nodes, each rotary 7 per Q and K, the cache's Concat and the heads'
-Reshape/Transpose), each a kernel launch and a pass over a tiny tensor. Three rewrites replace them with the fused
+Reshape/Transpose), each a kernel launch and a pass over a tiny tensor. These rewrites replace them with the fused
 kernels ONNX Runtime has for exactly these functions:
 
 - :func:`rms_norms`: ``Pow(x, 2) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x) -> Mul(w)``
@@ -14,17 +14,14 @@ kernels ONNX Runtime has for exactly these functions:
   computed once here by running the graph's own cos/sin nodes on positions ``0..max-1`` (so a family's
   scaling is whatever its graph computes). Where Q/K came from the heads' ``Reshape``+``Transpose``, the
   rotary runs on the 3-D projection before them.
-- :func:`attention_with_past`: ``Concat(past, k)`` / ``Concat(past, v)`` (the ``present`` outputs) feeding
-  ``Attention`` on heads-transposed Q/K/V, then the inverse transpose+reshape, becomes ONE opset-23
-  ``Attention`` on 3-D Q/K/V with ``past_key``/``past_value`` inputs and ``present`` outputs; the mask
-  (``attention_mask`` and causality as an additive bias) is passed as it was.
+- the cache's attention (:mod:`attnx.runtime.core.ort_attention`): ``Concat(past, k|v)`` + ``Attention`` on
+  heads-transposed Q/K/V becomes one 3-D ``Attention`` with past inputs, and that, with the rotary and a packed
+  Q/K/V projection's ``Split``, one ``com.microsoft.GroupQueryAttention`` where ONNX Runtime's kernel takes it.
 
-Not ``com.microsoft.GroupQueryAttention``: it honours attnx's masked cache slots through ``attention_bias`` on
-the CPU, but ONNX Runtime 1.31 refuses it for batch > 1 with several new tokens over a past, which a with-past file
-must accept, and it was no faster at the decode shape (docs/performance.md). A placed variant keeps its own ops
-and gains the norms and the rotary.
+A placed variant keeps its own ops and gains the norms and the rotary (and the attention rewrites in a host's
+plain layers).
 
-All three compute the same function in other kernels (not bit for bit: a kernel's own order of sums; fp32
+All of them compute the same function in other kernels (not bit for bit: a kernel's own order of sums; fp32
 logits stay within 1e-4, ``tests/test_fuse_ort.py``). The file on disk stays standard ONNX, for TensorRT: the
 rewrite is applied by :class:`attnx.runtime.core.backends.onnxrt.OnnxRuntimeSession` to the graph it hands ONNX
 Runtime (:func:`session_graph`, external data read in place from the export's folder), on the CPU only
@@ -37,103 +34,46 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
 
-MS = "com.microsoft"
-_HEADS_PERM = [0, 2, 1, 3]
+from attnx.runtime.core.ort_attention import attention_with_past, cache_in_place, grouped_query_attention
+from attnx.runtime.core.ort_match import (
+    HEADS_PERM, MS, add_constant, const_array, drop, heads_of, is_op, like, other_input, producer, scalar, single_consumer,
+    take_over)
+
 #: Metadata key that marks a graph already rewritten (never rewritten twice).
 FUSED_KEY = "attnx.ort_fused"
-
-
-def _onnx(node: ir.Node | None, op: str) -> TypeGuard[ir.Node]:
-    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
-
-
-def _producer(value: ir.Value | None) -> ir.Node | None:
-    return value.producer() if value is not None else None
-
-
-def _single_consumer(value: ir.Value | None) -> ir.Node | None:
-    if value is None:
-        return None
-    uses = value.uses()
-    return None if len(uses) != 1 or value.is_graph_output() else next(iter(uses)).node
-
-
-def _drop(graph: ir.Graph, nodes: list[ir.Node]) -> None:
-    """Remove nodes nothing reads any more, and the initializers only they read."""
-    inputs = [v for n in nodes for v in n.inputs if v is not None]
-    graph.remove(nodes, safe=True)
-    for value in inputs:
-        if value.is_initializer() and not value.uses() and not value.is_graph_output() and value.name:
-            graph.initializers.pop(value.name)
-
-
-def _const(value: ir.Value | None) -> np.ndarray | None:
-    if value is None or value.const_value is None:
-        return None
-    return value.const_value.numpy()
-
-
-def _scalar(value: ir.Value | None) -> float | None:
-    arr = _const(value)
-    return float(arr.reshape(-1)[0]) if arr is not None and arr.size == 1 else None
-
-
-def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
-    """The input of a two-input node that is not ``value``."""
-    others = [v for v in node.inputs if v is not value]
-    return others[0] if len(others) == 1 else None
-
-
-def _like(value: ir.Value, model: ir.Value, shape: bool = True) -> None:
-    """``value`` takes ``model``'s dtype (and shape)."""
-    if model.dtype is not None:
-        value.dtype = model.dtype
-    if shape:
-        value.shape = model.shape
-
-
-def _take_over(old: ir.Value, new: ir.Value) -> None:
-    """``new`` replaces ``old`` everywhere, graph outputs included (and takes a graph output's name)."""
-    _like(new, old)
-    was_output, name = old.is_graph_output(), old.name
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    if was_output:
-        old.name = None
-        new.name = name
 
 
 # ---- RMS norm (+ residual) --------------------------------------------------------------------------------
 
 def _rms(reduce: ir.Node):
     """``(x, weight, eps, nodes)`` of the RMS norm whose ``ReduceMean`` is ``reduce``, or None."""
-    pw = _producer(reduce.inputs[0])
-    if not _onnx(pw, "Pow") or _scalar(pw.inputs[1]) != 2.0 or _single_consumer(pw.outputs[0]) is not reduce:
+    pw = producer(reduce.inputs[0])
+    if not is_op(pw, "Pow") or scalar(pw.inputs[1]) != 2.0 or single_consumer(pw.outputs[0]) is not reduce:
         return None
-    axes = _const(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
+    axes = const_array(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
     if axes is None or axes.reshape(-1).tolist() != [-1] or reduce.attributes.get_int("keepdims", 1) != 1:
         return None
     x = pw.inputs[0]
     chain, cur = [pw, reduce], reduce
     for op in ("Add", "Sqrt", "Reciprocal"):
-        after = _single_consumer(cur.outputs[0])
-        if not _onnx(after, op):
+        after = single_consumer(cur.outputs[0])
+        if not is_op(after, op):
             return None
         chain.append(after)
         cur = after
-    eps = _scalar(_other(chain[2], reduce.outputs[0]))
-    scale = _single_consumer(cur.outputs[0])
-    if eps is None or not _onnx(scale, "Mul") or _other(scale, cur.outputs[0]) is not x:
+    eps = scalar(other_input(chain[2], reduce.outputs[0]))
+    scale = single_consumer(cur.outputs[0])
+    if eps is None or not is_op(scale, "Mul") or other_input(scale, cur.outputs[0]) is not x:
         return None
-    weigh = _single_consumer(scale.outputs[0])
-    if not _onnx(weigh, "Mul"):
+    weigh = single_consumer(scale.outputs[0])
+    if not is_op(weigh, "Mul"):
         return None
-    weight = _other(weigh, scale.outputs[0])
-    w = _const(weight)
+    weight = other_input(weigh, scale.outputs[0])
+    w = const_array(weight)
     if x is None or weight is None or w is None or w.ndim != 1 or x.shape is None or w.shape[0] != x.shape[-1]:
         return None
     return x, weight, eps, chain + [scale, weigh]
@@ -142,13 +82,13 @@ def _rms(reduce: ir.Node):
 def rms_norms(graph: ir.Graph) -> dict[str, int]:
     """RMS norms -> ``SimplifiedLayerNormalization``; after a residual ``Add``: ``SkipSimplifiedLayerNormalization``."""
     plain = skip = 0
-    for reduce in [n for n in graph if _onnx(n, "ReduceMean")]:
+    for reduce in [n for n in graph if is_op(n, "ReduceMean")]:
         found = _rms(reduce)
         if found is None:
             continue
         x, weight, eps, chain = found
         add = x.producer()
-        residual = _onnx(add, "Add") and len(add.inputs) == 2 and all(
+        residual = is_op(add, "Add") and len(add.inputs) == 2 and all(
             v is not None and v.const_value is None and v.shape is not None and v.shape == x.shape
             and len(v.shape) == 3 for v in add.inputs) and not x.is_graph_output()
         if residual:
@@ -157,16 +97,16 @@ def rms_norms(graph: ir.Graph) -> dict[str, int]:
             for extra in fused.outputs[1:3]:  # mean and 1/std: not read
                 extra.dtype = x.dtype
             graph.insert_before(add, [fused])
-            _take_over(chain[-1].outputs[0], fused.outputs[0])
-            _take_over(x, fused.outputs[3])  # the sum: the next residual reads it
-            _drop(graph, chain[::-1] + [add])
+            take_over(chain[-1].outputs[0], fused.outputs[0])
+            take_over(x, fused.outputs[3])  # the sum: the next residual reads it
+            drop(graph, chain[::-1] + [add])
             skip += 1
         else:
             fused = ir.node("SimplifiedLayerNormalization", [x, weight], {"axis": -1, "epsilon": eps, "stash_type": 1},
                             num_outputs=1, name=f"{reduce.name}__rms")
             graph.insert_before(chain[0], [fused])
-            _take_over(chain[-1].outputs[0], fused.outputs[0])
-            _drop(graph, chain[::-1])
+            take_over(chain[-1].outputs[0], fused.outputs[0])
+            drop(graph, chain[::-1])
             plain += 1
     return {"rms_norm": plain, "skip_rms_norm": skip}
 
@@ -174,10 +114,10 @@ def rms_norms(graph: ir.Graph) -> dict[str, int]:
 # ---- rotary -----------------------------------------------------------------------------------------------
 
 def _slice_bounds(node: ir.Node, x: ir.Value) -> tuple[int, int] | None:
-    if not _onnx(node, "Slice") or node.inputs[0] is not x or len(node.inputs) < 4:
+    if not is_op(node, "Slice") or node.inputs[0] is not x or len(node.inputs) < 4:
         return None
-    starts, ends, axes = (_scalar(v) for v in node.inputs[1:4])
-    steps = _scalar(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else 1
+    starts, ends, axes = (scalar(v) for v in node.inputs[1:4])
+    steps = scalar(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else 1
     if starts is None or ends is None or axes is None or steps != 1 or x.shape is None:
         return None
     if int(axes) not in (-1, len(x.shape) - 1):
@@ -188,38 +128,38 @@ def _slice_bounds(node: ir.Node, x: ir.Value) -> tuple[int, int] | None:
 def _rotary(add: ir.Node):
     """``(x, cos, sin, nodes)`` of ``x * cos + rotate_half(x) * sin`` ending at ``add`` (cos/sin before their
     ``Unsqueeze`` over heads), or None."""
-    if not _onnx(add, "Add") or len(add.inputs) != 2:
+    if not is_op(add, "Add") or len(add.inputs) != 2:
         return None
-    muls = [m for m in (_producer(v) for v in add.inputs) if _onnx(m, "Mul") and _single_consumer(m.outputs[0]) is add]
+    muls = [m for m in (producer(v) for v in add.inputs) if is_op(m, "Mul") and single_consumer(m.outputs[0]) is add]
     if len(muls) != 2:
         return None
     for direct, rotated in (muls, muls[::-1]):
-        cat = next((c for c in (_producer(v) for v in rotated.inputs) if _onnx(c, "Concat")), None)
+        cat = next((c for c in (producer(v) for v in rotated.inputs) if is_op(c, "Concat")), None)
         if cat is None or len(cat.inputs) != 2 or cat.attributes.get_int("axis", 0) not in (-1, 3):
             continue
-        neg, low = (_producer(v) for v in cat.inputs)
-        if not _onnx(neg, "Neg") or not _onnx(low, "Slice"):
+        neg, low = (producer(v) for v in cat.inputs)
+        if not is_op(neg, "Neg") or not is_op(low, "Slice"):
             continue
-        high, x = _producer(neg.inputs[0]), low.inputs[0]
-        if not _onnx(high, "Slice") or x is None or x.shape is None or len(x.shape) != 4 or \
+        high, x = producer(neg.inputs[0]), low.inputs[0]
+        if not is_op(high, "Slice") or x is None or x.shape is None or len(x.shape) != 4 or \
                 not isinstance(x.shape[3], int):
             continue
         head = x.shape[3]
         lo, hi = _slice_bounds(low, x), _slice_bounds(high, x)
         if lo is None or hi is None or lo != (0, head // 2) or hi[0] != head // 2 or hi[1] < head:
             continue
-        cos_u, sin_u = _other(direct, x), _other(rotated, cat.outputs[0])
+        cos_u, sin_u = other_input(direct, x), other_input(rotated, cat.outputs[0])
         if cos_u is None or sin_u is None or x not in direct.inputs:
             continue
         caches = []
         for value in (cos_u, sin_u):
             unsq = value.producer()
-            if not _onnx(unsq, "Unsqueeze") or len(unsq.inputs) < 2 or _scalar(unsq.inputs[1]) != 1 or \
+            if not is_op(unsq, "Unsqueeze") or len(unsq.inputs) < 2 or scalar(unsq.inputs[1]) != 1 or \
                     unsq.inputs[0] is None:
                 break
             caches.append(unsq.inputs[0])
-        if len(caches) != 2 or any(_single_consumer(v.outputs[0]) is not cat for v in (neg, low)) or \
-                _single_consumer(high.outputs[0]) is not neg or _single_consumer(cat.outputs[0]) is not rotated:
+        if len(caches) != 2 or any(single_consumer(v.outputs[0]) is not cat for v in (neg, low)) or \
+                single_consumer(high.outputs[0]) is not neg or single_consumer(cat.outputs[0]) is not rotated:
             continue
         return x, caches[0], caches[1], [add, direct, rotated, cat, neg, low, high]
     return None
@@ -270,20 +210,6 @@ def _cos_sin_tables(graph: ir.Graph, cos: ir.Value, sin: ir.Value, positions: ir
     return tables
 
 
-def _heads_of(x: ir.Value) -> tuple[ir.Value, ir.Node, ir.Node] | None:
-    """``x = Transpose(Reshape(x3d, shape), (0, 2, 1, 3))``: ``(x3d, reshape, transpose)``."""
-    transpose = x.producer()
-    if not _onnx(transpose, "Transpose") or list(transpose.attributes.get_ints("perm", [])) != _HEADS_PERM:
-        return None
-    reshape = _producer(transpose.inputs[0])
-    if not _onnx(reshape, "Reshape") or _single_consumer(transpose.inputs[0]) is not transpose:
-        return None
-    x3d = reshape.inputs[0]
-    if x3d is None or x3d.shape is None or len(x3d.shape) != 3:
-        return None
-    return x3d, reshape, transpose
-
-
 def rotary(graph: ir.Graph, max_positions: int) -> int:
     """Half-split rotary of Q/K -> ONNX ``RotaryEmbedding`` (module docstring); returns how many."""
     positions = next((v for v in graph.inputs if v.name == "position_ids"), None)
@@ -291,7 +217,7 @@ def rotary(graph: ir.Graph, max_positions: int) -> int:
         return 0
     tables: dict[tuple[int, int], list[ir.Value] | None] = {}
     done = 0
-    for add in [n for n in graph if _onnx(n, "Add")]:
+    for add in [n for n in graph if is_op(n, "Add")]:
         if add.graph is None:  # removed by an earlier match
             continue
         found = _rotary(add)
@@ -302,99 +228,40 @@ def rotary(graph: ir.Graph, max_positions: int) -> int:
         if key not in tables:
             made = _cos_sin_tables(graph, cos, sin, positions, max_positions)
             tables[key] = None if made is None else [
-                _add_constant(graph, f"{cos.name}__rotary_{kind}", arr) for kind, arr in zip(("cos", "sin"), made)]
+                add_constant(graph, f"{cos.name}__rotary_{kind}", arr) for kind, arr in zip(("cos", "sin"), made)]
         pair = tables[key]
         if pair is None:
             continue
         cos_table, sin_table = pair
-        heads = _heads_of(x)
+        heads = heads_of(x)
         inside = {id(n) for n in nodes}
         if heads is not None and isinstance(x.shape[1], int) and all(id(u.node) in inside for u in x.uses()) \
                 and not x.is_graph_output():  # rotate the 3-D projection, then split the heads as before
             x3d, reshape, transpose = heads
             rope = ir.node("RotaryEmbedding", [x3d, cos_table, sin_table, positions], {"num_heads": int(x.shape[1])},
                            name=f"{add.name}__rotary")
-            _like(rope.outputs[0], x3d)
+            like(rope.outputs[0], x3d)
             split = ir.node("Reshape", [rope.outputs[0], reshape.inputs[1]],
                             {"allowzero": reshape.attributes.get_int("allowzero", 0)})
-            _like(split.outputs[0], x3d, shape=False)
-            back = ir.node("Transpose", [split.outputs[0]], {"perm": _HEADS_PERM})
+            like(split.outputs[0], x3d, shape=False)
+            back = ir.node("Transpose", [split.outputs[0]], {"perm": HEADS_PERM})
             graph.insert_before(add, [rope, split, back])
-            _take_over(add.outputs[0], back.outputs[0])
-            _drop(graph, nodes + [transpose, reshape])
+            take_over(add.outputs[0], back.outputs[0])
+            drop(graph, nodes + [transpose, reshape])
         else:
             rope = ir.node("RotaryEmbedding", [x, cos_table, sin_table, positions], name=f"{add.name}__rotary")
             graph.insert_before(add, [rope])
-            _take_over(add.outputs[0], rope.outputs[0])
-            _drop(graph, nodes)
-        done += 1
-    return done
-
-
-def _add_constant(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape),
-                     type=ir.TensorType(ir.DataType.FLOAT))
-    graph.register_initializer(value)
-    return value
-
-
-# ---- attention over the cache -----------------------------------------------------------------------------
-
-def _cache_concat(value: ir.Value | None) -> tuple[ir.Value, ir.Value, ir.Node] | None:
-    """``value = Concat(past, new, axis=2)``, ``past`` a graph input ``[batch, heads, past, head]`` with ``heads`` and
-    ``head`` known and ``new`` read by the Concat alone: ``(past, new, concat)``."""
-    cat = _producer(value)
-    if not _onnx(cat, "Concat") or len(cat.inputs) != 2 or cat.attributes.get_int("axis", 0) not in (-2, 2):
-        return None
-    past, new = cat.inputs
-    if past is None or new is None or not past.is_graph_input() or past.shape is None or len(past.shape) != 4 or \
-            not isinstance(past.shape[1], int) or not isinstance(past.shape[3], int) or \
-            _single_consumer(new) is not cat:
-        return None
-    return past, new, cat
-
-
-def attention_with_past(graph: ir.Graph) -> int:
-    """``Attention`` over ``Concat(past, k|v)`` -> one 3-D ``Attention`` with past inputs (module docstring)."""
-    done = 0
-    for attn in [n for n in graph if _onnx(n, "Attention")]:
-        if len(attn.outputs) != 1 or len(attn.inputs) != 4 or attn.attributes.get_int("is_causal") or \
-                attn.attributes.get_float("softcap"):
-            continue
-        q4, k_all, v_all, bias = attn.inputs
-        kc, vc = _cache_concat(k_all), _cache_concat(v_all)
-        q = _heads_of(q4) if q4 is not None and _single_consumer(q4) is attn else None
-        if kc is None or vc is None or q is None or bias is None or k_all is None or v_all is None or \
-                len(k_all.uses()) != 1 or len(v_all.uses()) != 1:  # read by the attention (and as graph outputs)
-            continue
-        k, v = _heads_of(kc[1]), _heads_of(vc[1])
-        back = _single_consumer(attn.outputs[0])
-        if k is None or v is None or not _onnx(back, "Transpose") or \
-                list(back.attributes.get_ints("perm", [])) != _HEADS_PERM:
-            continue
-        merge = _single_consumer(back.outputs[0])
-        q_heads = q4.shape[1] if q4 is not None and q4.shape is not None else None
-        kv_heads = kc[0].shape[1] if kc[0].shape is not None else None
-        if not _onnx(merge, "Reshape") or merge.outputs[0].shape is None or len(merge.outputs[0].shape) != 3 or \
-                not isinstance(q_heads, int) or not isinstance(kv_heads, int):
-            continue
-        attrs = {a.name: a.value for a in attn.attributes.values() if a.name in ("scale", "qk_matmul_output_mode")}
-        fused = ir.node("Attention", [q[0], k[0], v[0], bias, kc[0], vc[0]],
-                        {**attrs, "q_num_heads": q_heads, "kv_num_heads": kv_heads}, num_outputs=3,
-                        name=f"{attn.name}__with_past")
-        graph.insert_before(attn, [fused])
-        _take_over(merge.outputs[0], fused.outputs[0])
-        _take_over(k_all, fused.outputs[1])
-        _take_over(v_all, fused.outputs[2])
-        _drop(graph, [merge, back, attn, kc[2], vc[2]] + [n for h in (q, k, v) for n in (h[2], h[1])])
+            take_over(add.outputs[0], rope.outputs[0])
+            drop(graph, nodes)
         done += 1
     return done
 
 
 # ---- the whole rewrite ------------------------------------------------------------------------------------
 
-def fuse_for_onnxruntime(model: ir.Model, max_positions: int) -> dict[str, int]:
-    """Every rewrite above on a with-past decoder (in place): ``{fusion: times applied}``."""
+def fuse_for_onnxruntime(model: ir.Model, max_positions: int, gqa: bool = True) -> dict[str, int]:
+    """Every rewrite above on a with-past decoder (in place): ``{fusion: times applied}``. ``gqa``: the cache's
+    ``Attention`` goes on to ``GroupQueryAttention`` where it can (:func:`grouped_query_attention`)."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
     graph = model.graph
@@ -402,7 +269,9 @@ def fuse_for_onnxruntime(model: ir.Model, max_positions: int) -> dict[str, int]:
     standard_23 = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) >= 23
     counts["rotary"] = rotary(graph, max_positions) if standard_23 else 0  # ops of opset 23
     counts["attention_with_past"] = attention_with_past(graph) if standard_23 else 0
-    if counts["skip_rms_norm"]:
+    counts["grouped_query_attention"] = grouped_query_attention(graph) if gqa else 0
+    counts["cache_in_place"] = int(bool(counts["grouped_query_attention"]) and cache_in_place(graph))
+    if counts["skip_rms_norm"] or counts["grouped_query_attention"]:
         model.opset_imports.setdefault(MS, 1)
     RemoveUnusedNodesPass()(model)
     TopologicalSortPass()(model)
@@ -445,4 +314,5 @@ def fused_model_bytes(path: str | os.PathLike) -> tuple[bytes, dict[str, int]] |
     return ir.serde.serialize_model(model).SerializeToString(), counts
 
 
-__all__ = ["attention_with_past", "fuse_for_onnxruntime", "fused_model_bytes", "rms_norms", "rotary", "session_graph"]
+__all__ = ["attention_with_past", "fuse_for_onnxruntime", "fused_model_bytes", "grouped_query_attention", "rms_norms", "rotary",
+           "session_graph"]

@@ -226,6 +226,10 @@ class OnnxRuntimeSession(Session):
         _warn_if_int8_weights_clip(self.path, info)
         self.inputs = merge_specs(self._file_specs(self._sess.get_inputs()), info.inputs if info else None, True)
         self.outputs = merge_specs(self._file_specs(self._sess.get_outputs()), info.outputs if info else None, False)
+        # the inputs with input_ids' batch axis, where a call must be split by rows (_run)
+        batch = next((i.shape[0] for i in self._sess.get_inputs() if i.name == "input_ids" and i.shape), None)
+        self._rows_alone = frozenset(i.name for i in self._sess.get_inputs() if i.shape and i.shape[0] == batch) \
+            if self.fusions.get("grouped_query_attention") and isinstance(batch, str) else frozenset()
 
     def _file_specs(self, args) -> list[FileSpec]:
         out = []
@@ -236,6 +240,15 @@ class OnnxRuntimeSession(Session):
         return out
 
     def _run(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
+        ids = feeds.get("input_ids")
+        if self._rows_alone and ids is not None and ids.ndim == 2 and ids.shape[0] > 1 and ids.shape[1] > 1:
+            # GroupQueryAttention's CPU kernel takes several new tokens over a past for one row only (ort_attention)
+            rows = [self._run_rows({k: v[r:r + 1] if k in self._rows_alone else v for k, v in feeds.items()},
+                                   output_names) for r in range(ids.shape[0])]
+            return {name: np.concatenate([row[name] for row in rows]) for name in output_names}
+        return self._run_rows(feeds, output_names)
+
+    def _run_rows(self, feeds: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         if self.options.denormal_as_zero:  # this thread does part of ORT's intra-op work
             with denormals_flushed():
                 values = self._sess.run(output_names, feeds)
@@ -247,6 +260,24 @@ class OnnxRuntimeSession(Session):
     def on_device(self) -> bool:
         """The session runs on CUDA (its outputs can stay there between runs: :meth:`run_keeping`)."""
         return self.provider.endswith("CUDAExecutionProvider")
+
+    @property
+    def in_place_cache(self) -> bool:
+        """Each ``past`` input may share its buffer with its ``present`` output (the graph's attention writes the
+        new slots into it: :mod:`attnx.runtime.core.kv_in_place`)."""
+        return bool(self.fusions.get("cache_in_place"))
+
+    def io_binding(self):
+        """A new ``onnxruntime.IOBinding`` of this session (for :meth:`run_binding`)."""
+        return self._sess.io_binding()
+
+    def run_binding(self, binding) -> None:
+        """One run of what ``binding`` binds (the caller's buffers are written in place)."""
+        if self.options.denormal_as_zero:
+            with denormals_flushed():
+                self._sess.run_with_iobinding(binding)
+        else:
+            self._sess.run_with_iobinding(binding)
 
     def run_keeping(self, feeds: dict, output_names: list[str], keep) -> dict:
         """One run through ONNX Runtime's IOBinding, for a decoder's steps: numpy feeds are bound where they lie,
