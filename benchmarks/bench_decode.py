@@ -469,7 +469,8 @@ def main() -> None:
             skipped[name] = str(e)
 
     exports = {}
-    for p in args.attnx:
+    given = {item.partition("=")[0] for item in args.attnx_export}
+    for p in [p for p in args.attnx if p not in given]:  # (an --attnx-export of that label replaces it)
         add(f"attnx {p}", lambda p=p: Contender(f"attnx {p}", "attnx", me, attnx_export(args.cache, folder, p), p))
     for v in args.placed:  # fp32, a variant placed: against "attnx fp32" (plain mha), the issue-48 Bar
         add(f"attnx {v}", lambda v=v: Contender(f"attnx {v}", "attnx", me, attnx_export(args.cache, folder, "fp32", v),
@@ -555,7 +556,11 @@ def main() -> None:
                       f"{r['rss_peak_mb']:.0f}", f"{r['agreement']:.0%}, {r['identical']}/{len(prompts)}",
                       f"{r['ppl']:.3f}", f"{r['ppl_vs_ref']:+.2%}")
     console.print(table)
-    placed = args.placed + [i.partition("=")[0] for i in args.attnx_export if i.partition("=")[0] not in ATTNX_FLAGS]
+    from attnx.models.spec import variant_names
+
+    variants = set(variant_names()) - {"mha"}  # an --attnx-export labelled with a variant is one placed
+    placed = args.placed + [label for label in (i.partition("=")[0] for i in args.attnx_export)
+                            if label.split("-")[0] in variants]
     for v in placed:  # issue 48's Bar: a placed variant decodes at <= 1.25x plain attention's ms/token
         if f"attnx {v}" in per and "attnx fp32" in per:
             r = ratio(per[f"attnx {v}"]["decode"], per["attnx fp32"]["decode"])

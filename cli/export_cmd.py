@@ -168,6 +168,12 @@ def register(app: typer.Typer) -> None:
                                               "quantization of the decoder's MatMul weights (ONNX Runtime's MatMulNBits, "
                                               "blocks of 32: int8 asymmetric; int4 symmetric, its lm_head at 8 bits); "
                                               "no calibration. Decode reads ~3.5x (int8) / ~5x (int4) fewer bytes."),
+        block_size: Optional[int] = typer.Option(None, "--block-size", help="With --weights: weights per block (one "
+                                                 "scale each) along K, a power of 2 >= 16 (default 32; larger: a "
+                                                 "smaller file and faster kernels, a coarser rounding)."),
+        lm_head_bits: Optional[int] = typer.Option(None, "--lm-head-bits", help="With --weights: the lm_head's bits, "
+                                                   "4 or 8 (default: 8 for int4, more accurate for ~8% more decode "
+                                                   "time; 4 as onnxruntime-genai's and llama.cpp's 4-bit files)."),
         no_fuse: bool = typer.Option(False, "--no-fuse", help="Skip the exact graph fusions (packed Q/K/V, 3-D "
                                      "attention), e.g. to compare against them."),
         sets: List[str] = typer.Option([], "--set", help="Config option key=value (repeatable); see `attnx variants`."),
@@ -217,6 +223,12 @@ def register(app: typer.Typer) -> None:
             if not with_past or int8 or fp16:
                 raise UserError("--weights quantizes the weights of a --with-past decoder (fp32 activations): add "
                                 "--with-past, and leave out --int8 and --fp16 (choose one precision)")
+        if (block_size is not None or lm_head_bits is not None) and weights is None:
+            raise UserError("--block-size and --lm-head-bits set --weights' blocks: add --weights int4|int8")
+        if block_size is not None and (block_size < 16 or block_size & (block_size - 1)):
+            raise UserError(f"--block-size {block_size}: a power of 2 >= 16 (16, 32, 64, 128, ...)")
+        if lm_head_bits not in (None, 4, 8):
+            raise UserError(f"--lm-head-bits {lm_head_bits}: valid: 4, 8")
         if variant is None and pretrained is None:
             raise UserError("--variant is required (or --from-pretrained FOLDER to export a real model)")
         if variant is not None and not variant.strip():
@@ -287,7 +299,10 @@ def register(app: typer.Typer) -> None:
                                            attention_outputs=attention_outputs, head_mask=head_mask,
                                            fuse=not no_fuse, with_past=with_past, copy_weights=copy_weights,
                                            int8_weight_bits=(int8_weight_bits or 7) if int8 else None,
-                                           weight_only_bits=WEIGHTS[weights] if weights else None)
+                                           weight_only_bits=WEIGHTS[weights] if weights else None,
+                                           weight_only_options={k: v for k, v in (("block_size", block_size),
+                                                                                  ("lm_head_bits", lm_head_bits))
+                                                                if v is not None})
             else:
                 if layers is not None and layers < 1:
                     raise UserError(f"--layers must be >= 1, got {layers}")

@@ -310,7 +310,8 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
                    progress: Progress | None = None, tokenizer: dict | None = None,
                    attention_outputs=None, head_mask: bool = False, fuse: bool = True,
                    staging: Staging | None = None, weight_names=None, reference: dict | None = None,
-                   int8_weight_bits: int | None = None, weight_only_bits: int | None = None) -> ExportResult:
+                   int8_weight_bits: int | None = None, weight_only_bits: int | None = None,
+                   weight_only_options: dict | None = None) -> ExportResult:
     """Export any attnx model (eval mode; see :mod:`attnx.models.signature`) to ``path``.
 
     ``fuse``: the exact standard-ONNX fusions of :mod:`attnx.export.fuse` (packed Q/K/V, 3-D
@@ -325,7 +326,8 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     ``reference`` the rest come from the source folder it names). ``staging``: write into that
     staging (the caller adds files and commits); default: staged and committed here.
     ``int8_weight_bits``: quantize (:func:`attnx.export.quantize.quantize_file`) before the files appear;
-    ``weight_only_bits`` (4 or 8): weight-only MatMulNBits instead (:mod:`attnx.export.weight_only`)."""
+    ``weight_only_bits`` (4 or 8): weight-only MatMulNBits instead (:mod:`attnx.export.weight_only`), with
+    ``weight_only_options`` (``block_size``, ``lm_head_bits``: :func:`~attnx.export.weight_only.quantize_graph`)."""
     check_exportable(model)  # one line naming what a model lacks (attnx.export.protocol)
     if lowering not in LOWERINGS:
         raise ValueError(f"unknown lowering {lowering!r}; valid: {', '.join(LOWERINGS)}")
@@ -339,7 +341,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
     kwargs = dict(lowering=lowering, fp16=fp16, opset=opset, profiles=profiles, save_weights=save_weights,
                   progress=progress, tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
                   fuse=fuse, weight_names=weight_names, reference=reference, int8_weight_bits=int8_weight_bits,
-                  weight_only_bits=weight_only_bits)
+                  weight_only_bits=weight_only_bits, weight_only_options=weight_only_options)
     if staging is None:
         with Staging(path, owned=export_names(path)) as stage:
             check_room(path.parent, estimate_bytes(model, fp16, int8_weight_bits or weight_only_bits))
@@ -367,7 +369,7 @@ def export_encoder(model, path: str | Path, *, lowering: str = "plugin", fp16: b
 
         step("weights")
         try:
-            quantization = weight_only.quantize_graph(graph, weight_only_bits)
+            quantization = weight_only.quantize_graph(graph, weight_only_bits, **(weight_only_options or {}))
         except Exception as e:  # one line; the staging folder goes, so nothing appears under the final name
             msg = " ".join(str(e).split())[:200] or type(e).__name__
             raise ValueError(f"{path}: int{weight_only_bits} weight-only quantization failed ({type(e).__name__}: "

@@ -147,10 +147,11 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
                       folder_out: str | Path = "attnx-out", attention_outputs=None, head_mask: bool = False,
                       progress: Progress | None = None, fuse: bool = True, with_past: bool = False,
                       copy_weights: bool = False, int8_weight_bits: int | None = None,
-                      weight_only_bits: int | None = None) -> ExportResult:
+                      weight_only_bits: int | None = None, weight_only_options: dict | None = None) -> ExportResult:
     """Load ``source`` (a folder path) with ``variant`` placed in it and export it (see module doc).
     ``with_past``: a causal LM that generates, its KV cache in and out (:mod:`attnx.export.with_past`);
-    ``weight_only_bits`` (4 or 8, with ``with_past``): its MatMul weights block-quantized (:mod:`attnx.export.weight_only`)."""
+    ``weight_only_bits`` (4 or 8, with ``with_past``): its MatMul weights block-quantized (:mod:`attnx.export.weight_only`;
+    ``weight_only_options``: ``block_size``, ``lm_head_bits``)."""
     from attnx import pretrained
     from attnx.pretrained.host import check_task, task_of
 
@@ -210,7 +211,8 @@ def export_pretrained(source, path: str | Path | None = None, *, variant: str | 
         result = export_encoder(host, path, lowering=lowering, fp16=fp16, profiles=profiles, progress=step,
                                 tokenizer=tokenizer, attention_outputs=attention_outputs, head_mask=head_mask,
                                 fuse=fuse, staging=stage, weight_names=own, reference=reference,
-                                int8_weight_bits=int8_weight_bits, weight_only_bits=weight_only_bits)
+                                int8_weight_bits=int8_weight_bits, weight_only_bits=weight_only_bits,
+                                weight_only_options=weight_only_options)
         result.notes = list(folder.notes)
         if with_past:
             result.notes += past.finish(stage.path(path.name), result.info, folder.config,

@@ -319,26 +319,30 @@ def _embedding_gather(table: ir.Value) -> ir.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def quantize_graph(model: ir.Model, bits: int, block_size: int = BLOCK_SIZE) -> dict:
+def quantize_graph(model: ir.Model, bits: int, block_size: int = BLOCK_SIZE, lm_head_bits: int | None = None) -> dict:
     """Every top-level ``MatMul`` with a constant 2-D fp32 weight -> ``MatMulNBits``, the embedding ``Gather``
-    -> ``GatherBlockQuantized`` (see the module doc), in place; returns the metadata's ``quantization``."""
+    -> ``GatherBlockQuantized`` (see the module doc), in place; returns the metadata's ``quantization``.
+    ``lm_head_bits``: the lm_head's (default :data:`LM_HEAD_BITS` in an int4 export, else ``bits``); at the
+    projections' bits it is stored as they are (int4: symmetric)."""
     from attnx.export.graph import remove_dead
 
     if bits not in WEIGHTS.values():
         raise ValueError(f"weight-only quantization takes 4 or 8 bits, got {bits}")
+    if lm_head_bits not in (None, *WEIGHTS.values()):
+        raise ValueError(f"the lm_head takes 4 or 8 bits, got {lm_head_bits}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of 2 >= 16, got {block_size}")
     graph = model.graph
     symmetric = bits == 4  # ORT's asymmetric 4-bit rounds the zero point: worse (module doc)
     head = _head_node(graph)
-    head_bits = (LM_HEAD_BITS if bits == 4 else bits) if head is not None else None
+    head_bits = (lm_head_bits or (LM_HEAD_BITS if bits == 4 else bits)) if head is not None else None
     count, carried, tied, embedding = 0, 0, False, "fp32 (Gather)"
     for node in [n for n in graph if _onnx(n, "MatMul") and len(n.inputs) == 2]:
         w = node.inputs[1]
         t = w.producer() if w is not None else None
         is_head = node is head
         node_bits = head_bits if is_head else bits
-        sym = symmetric and node_bits == bits and not is_head
+        sym = symmetric and node_bits == bits
         if _constant_2d(w) is not None:
             q = _Quantized(w.const_value, True, node_bits, sym, block_size, w.name)
             _matmul_nbits(graph, node, _initializers(graph, q, not q.symmetric), q)
@@ -377,7 +381,7 @@ def quantize_graph(model: ir.Model, bits: int, block_size: int = BLOCK_SIZE) -> 
     quantization = {
         "method": "weight-only, com.microsoft MatMulNBits, round to nearest, no calibration",
         "weights": _blocks(bits, symmetric, block_size) + (
-            f"; the lm_head {_blocks(LM_HEAD_BITS, False, block_size)}" if head_bits not in (None, bits) else ""),
+            f"; the lm_head {_blocks(head_bits, False, block_size)}" if head_bits not in (None, bits) else ""),
         "bits": bits, "symmetric": symmetric, "block_size": block_size, "accuracy_level": ACCURACY_LEVEL,
         "matmuls": count, "lm_head_bits": head_bits,
         "lm_head_symmetric": None if head_bits is None else symmetric if head_bits == bits else False,

@@ -275,6 +275,30 @@ def test_a_tied_lm_head_and_the_embedding_share_one_quantized_table(weights):
     assert 0 < np.abs(got - ref).max() < {"int8": 0.06, "int4": 0.6}[weights] * np.abs(ref).max()
 
 
+def test_block_size_and_lm_head_bits_are_the_users_choice():
+    """``--block-size 16 --lm-head-bits 4`` (what onnxruntime-genai's and llama.cpp's 4-bit files do with the head):
+    every MatMulNBits 4-bit symmetric in blocks of 16, the tied table shared at 4 bits by the embedding's
+    GatherBlockQuantized, the metadata saying so; the logits as near fp32 as int4's."""
+    from attnx.runtime import TextModel
+
+    tied = gf.exports.hf_folder("llama", edit=_tie_embeddings, tag="tied-embeddings")
+    fp32_path = gf.export(tied, "mha")
+    path = gf.export(tied, "mha", weight_only_bits=4, weight_only_options={"block_size": 16, "lm_head_bits": 4})
+    quant = onnx.load(str(path))
+    nbits = [n for n in quant.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 9 and {(_attrs(n)["bits"], _attrs(n)["block_size"], len(n.input)) for n in nbits} == \
+        {(4, 16, 3)}  # the head too: symmetric, no zero points
+    (head,) = [n for n in nbits if n.output[0] == "logits"]
+    (gather,) = [n for n in quant.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert gather.input[0] == head.input[1] and (_attrs(gather)["bits"], _attrs(gather)["block_size"]) == (4, 16)
+    q = ModelInfo.read(path).quantization
+    assert (q["block_size"], q["lm_head_bits"], q["lm_head_symmetric"]) == (16, 4, True) and "lm_head" not in q["weights"]
+    ref_model, model = TextModel(fp32_path), TextModel(path)
+    ids = ref_model.tokenizer.tokenize(["the cat sat on the mat"])[0].ids.tolist()
+    ref, got = np.asarray(ref_model.decoder.start(ids)[0]), np.asarray(model.decoder.start(ids)[0])
+    assert 0 < np.abs(got - ref).max() < 0.6 * np.abs(ref).max()
+
+
 def test_attnx_generate_runs_a_weight_only_folder(tmp_path):
     path = _export("int4")
     proc = attnx("generate", str(path.parent), "the cat", "-n", "6", cwd=tmp_path)
@@ -329,6 +353,9 @@ def test_attnx_check_reports_perplexity_and_greedy_agreement_against_fp32(tmp_pa
     (["--with-past", "--weights", "int4", "--int8"], "--int8"),
     (["--with-past", "--weights", "int4", "--fp16"], "--fp16"),
     (["--with-past", "--weights", "int3"], "valid: int4, int8"),
+    (["--with-past", "--block-size", "64"], "add --weights"),
+    (["--with-past", "--weights", "int4", "--block-size", "48"], "a power of 2 >= 16"),
+    (["--with-past", "--weights", "int4", "--lm-head-bits", "6"], "valid: 4, 8"),
 ])
 def test_option_combinations_that_make_no_sense_are_one_line_before_any_work(tmp_path, args, says):
     out = tmp_path / "w" / "model.onnx"
