@@ -3,12 +3,15 @@
     python _sizes_worker.py KIND MODEL THREADS [OPTIONS_JSON [NEW]]
 
 Kinds: ``attnx`` (a with-past export through ``attnx.runtime.load`` + :class:`Decoder`; ``OPTIONS_JSON`` are extra
-``load`` options, e.g. ``{"arena": false}`` or
-``{"extra_session_config": {"session.disable_prepacking": "1"}}``),
-``llama-cpp`` (llama-cpp-python's ``Llama`` on a GGUF). Prints one JSON object: this process's memory from
-``/proc/self/status`` with its libraries imported (``start``), after loading and after a greedy generation (``PROMPT`` random token ids, then ``NEW`` tokens,
-EOS ignored; ``NEW`` defaults to 16), decode ms/token (median step after the first), and for attnx the KV cache it states. Imports nothing
-of attnx unless the kind is attnx (llama-cpp-python lives in its own venv).
+``load`` options, e.g. ``{"arena": false}`` or ``{"extra_session_config": {"session.disable_prepacking": "1"}}``),
+``llama-cpp`` (llama-cpp-python's ``Llama`` on a GGUF), ``genai`` (onnxruntime-genai's ``Generator`` on a folder
+with ``genai_config.json``: its builder's output, or an attnx with-past export; the threads go in through
+``og.Config.overlay`` as the session's ``intra_op_num_threads``, inter-op 1, the file untouched). Prints one JSON
+object: this process's memory from ``/proc/self/status`` with its libraries imported (``start``), after loading and
+after a greedy generation (``PROMPT`` random token ids, then ``NEW`` tokens, EOS ignored; ``NEW`` defaults to 16),
+decode ms/token (median step after the first), and for attnx the KV cache it states. Imports nothing of attnx
+unless the kind is attnx (llama-cpp-python, and onnxruntime-genai where attnx's venv lacks it, live in their own
+venvs).
 """
 
 from __future__ import annotations
@@ -77,6 +80,34 @@ def llama_cpp(model: str, threads: int, options: dict):
     return generate, llm.n_vocab(), {}
 
 
+def genai(model: str, threads: int, options: dict):
+    import numpy as np
+    import onnxruntime_genai as og
+
+    config = og.Config(model)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    m = og.Model(config)
+    with open(f"{model}/genai_config.json") as f:
+        vocab = json.load(f)["model"]["vocab_size"]
+
+    def generate(ids):
+        params = og.GeneratorParams(m)
+        params.set_search_options(max_length=len(ids) + NEW, min_length=len(ids) + NEW, do_sample=False)
+        g = og.Generator(m, params)
+        # the prompt runs here; the first generate_next_token then only picks from its logits (not timed)
+        g.append_tokens(np.asarray(ids, np.int32))
+        times = []
+        for count in range(NEW):
+            started = time.perf_counter()
+            g.generate_next_token()
+            if count:
+                times.append(time.perf_counter() - started)
+        return times
+
+    return generate, vocab, {}
+
+
 def main() -> None:
     kind, model, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
     options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
@@ -85,11 +116,12 @@ def main() -> None:
     import importlib
 
     # the libraries first: "start" is the bare process, so loaded - start is what the model added
-    for module in (("onnxruntime", "attnx.runtime") if kind == "attnx" else ("llama_cpp",)):
+    libraries = {"attnx": ("onnxruntime", "attnx.runtime"), "genai": ("numpy", "onnxruntime_genai")}
+    for module in libraries.get(kind, ("llama_cpp",)):
         importlib.import_module(module)
     before = memory()
     started = time.perf_counter()
-    generate, vocab, extra = {"attnx": attnx, "llama-cpp": llama_cpp}[kind](model, threads, options)
+    generate, vocab, extra = {"attnx": attnx, "llama-cpp": llama_cpp, "genai": genai}[kind](model, threads, options)
     load_s = time.perf_counter() - started
     loaded = memory()
     import random

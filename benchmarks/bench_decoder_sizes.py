@@ -13,13 +13,21 @@ to the shape's vocabulary), never the whole model in memory. Then, per ``--weigh
   an 8-token prompt (EOS ignored), decode ms/token (median step), VmHWM at the end, and the KV cache the decoder
   states at load (bytes per token, and at the model's positions).
 
-``--peers`` puts llama.cpp beside attnx: the same weights as a GGUF of the same bits (int8 -> Q8_0, int4 -> Q4_0,
-every 2-D weight in that type as ``llama-quantize --pure`` writes it, norms F32), written one tensor at a time by
-``_sizes_gguf.py`` (the ``gguf`` package; what ``convert_hf_to_gguf.py`` writes, q/k permuted for llama.cpp's
-rotary layout: checked by reading it back with transformers' GGUF loader), its peak RSS and wall time polled the
-same way, then loaded and run by llama-cpp-python (``n_ctx`` 512, ``--threads``) in its own venv, which
-``bench_decode.py`` sets up (``~/.cache/attnx-bench/llama-cpp-venv``: pip compiles llama.cpp from source once,
-~10+ CPU-minutes; ``--no-setup`` refuses to build it).
+``--peers [llama-cpp genai]`` (alone: both) puts peers beside attnx. llama.cpp: the same weights as a GGUF of the
+same bits (int8 -> Q8_0, int4 -> Q4_0, every 2-D weight in that type as ``llama-quantize --pure`` writes it, norms
+F32), written one tensor at a time by ``_sizes_gguf.py`` (the ``gguf`` package; what ``convert_hf_to_gguf.py``
+writes, q/k permuted for llama.cpp's rotary layout: checked by reading it back with transformers' GGUF loader), its
+peak RSS and wall time polled the same way, then loaded and run by llama-cpp-python (``n_ctx`` 512, ``--threads``)
+in its own venv, which ``bench_decode.py`` sets up (``~/.cache/attnx-bench/llama-cpp-venv``: pip compiles llama.cpp
+from source once, ~10+ CPU-minutes; ``--no-setup`` refuses to build a venv). onnxruntime-genai, for ``int4``: its
+builder's int4 of the same folder (``python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p int4 -e cpu -c
+CACHE``: its defaults, block 32, ``accuracy_level`` 4; its peak RSS and wall time polled the same way, files = its
+``model.onnx*``), and for ``fp32`` genai running attnx's own fp32 export (the ``genai_config.json`` attnx writes
+beside it; nothing built). Each peer's files are loaded and run in a fresh process by the same ``_sizes_worker.py``
+(same prompt, tokens and ``--threads``; genai: ``intra_op_num_threads``, inter-op 1), and its ms/token is printed
+over attnx's at the same bits (``/ attnx``). genai runs from its venv (``bench_decode.py``'s
+``~/.cache/attnx-bench/genai-venv``), or with ``--here genai`` from this one where it has ``onnxruntime-genai`` (as
+``bench_decode.py --here genai``).
 
 Shapes (published): ``135m`` SmolLM2-135M (hidden 576, 30 layers, GQA 9/3, FFN 1536, vocab 49152, tied), ``1.5b``
 (hidden 2048, 24 layers, GQA 32/8, FFN 8192, vocab 49152, tied), ``3b`` Llama-3.2-3B (hidden 3072, 28 layers, GQA
@@ -28,11 +36,11 @@ untied). fp32 runs only where it fits (its weights x 1.2 in available memory, an
 
     python benchmarks/bench_decoder_sizes.py --shapes 135m --weights int4,int8
     python benchmarks/bench_decoder_sizes.py --shapes 135m,1.5b,3b,8b --weights int4,int8 --workdir /big/disk
-        [--keep] [--threads 2] [--report sizes.json] [--peers [--no-setup]]
+        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]]
 
 Folders are large (bf16: 2 bytes a parameter; the 8B shape 16 GB) and so are exports: free disk is checked
-before writing (``df``), and each export is removed once measured, each folder once its shape is done, unless
-``--keep``.
+before writing (``df``), and each export (and peer's GGUF or genai build) is removed once measured, each folder
+once its shape is done, unless ``--keep``.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ SHAPES = {
                max_position_embeddings=131072, rope_theta=500000.0),
 }
 WEIGHTS = ("fp32", "int8", "int4")
+PEERS = ("llama-cpp", "genai")
 #: bytes per parameter an export of each kind may take on disk (staging included), for the free-disk check
 DISK_PER_PARAM = {"fp32": 4.2, "int8": 2.0, "int4": 1.6}
 SHARD_BYTES = 2 << 30
@@ -242,11 +251,12 @@ def export(folder: Path, out: Path, weights: str) -> dict:
             "files": files, "files_bytes": sum(files.values())}
 
 
-def load_and_decode(model: Path, threads: int) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE / "_sizes_worker.py"), "attnx", str(model), str(threads)],
+def load_and_decode(model: Path, threads: int, kind: str = "attnx", python: Path | str = sys.executable) -> dict:
+    """``_sizes_worker.py KIND MODEL THREADS`` in a fresh process of ``python``: its memory and decode ms/token."""
+    proc = subprocess.run([str(python), str(HERE / "_sizes_worker.py"), kind, str(model), str(threads)],
                           capture_output=True, text=True, env={**os.environ, **ENV})
     if proc.returncode:
-        raise RuntimeError(f"loading {model} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+        raise RuntimeError(f"{kind} on {model} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -256,12 +266,43 @@ def gguf_peer(folder: Path, out: Path, weights: str, python: Path, threads: int)
     out.mkdir(parents=True, exist_ok=True)
     gguf = out / f"model.{qtype}.gguf"
     written = run_polled([sys.executable, str(HERE / "_sizes_gguf.py"), str(folder), str(gguf), qtype])
-    proc = subprocess.run([str(python), str(HERE / "_sizes_worker.py"), "llama-cpp", str(gguf), str(threads)],
-                          capture_output=True, text=True, env={**os.environ, **ENV})
-    if proc.returncode:
-        raise RuntimeError(f"llama.cpp on {gguf} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
-    return {"qtype": qtype, "wall_s": written["wall_s"], "peak": written["peak"], "files_bytes": gguf.stat().st_size,
-            "run": json.loads(proc.stdout.strip().splitlines()[-1])}
+    return {"label": f"llama.cpp {qtype}", "wall_s": written["wall_s"], "peak": written["peak"],
+            "files_bytes": gguf.stat().st_size, "run": load_and_decode(gguf, threads, "llama-cpp", python)}
+
+
+def genai_peer(folder: Path, out: Path, python: Path, threads: int) -> dict:
+    """onnxruntime-genai on its builder's int4 of the folder (``-p int4 -e cpu``: block 32, accuracy level 4):
+    building it (polled), then a run."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out / "int4"),
+           "-p", "int4", "-e", "cpu", "-c", str(out / "hf-cache")]
+    built = run_polled(cmd)
+    files = sum(p.stat().st_size for p in (out / "int4").iterdir() if p.name.startswith("model.onnx"))
+    return {"label": "genai int4", "cmd": " ".join(cmd[1:]), "wall_s": built["wall_s"], "peak": built["peak"],
+            "files_bytes": files, "run": load_and_decode(out / "int4", threads, "genai", python)}
+
+
+def peer_row(name: str, peer: dict, attnx_ms: float) -> list[str]:
+    """A peer's row: making its files (polled, or '-' where it runs attnx's own), its load and decode."""
+    run, peak, files = peer["run"], peer.get("peak"), peer.get("files_bytes")
+    made = ([f"{peer['wall_s']:.0f}", gb(peak["VmRSS"]), gb(peak["RssAnon"]), gb(peak["RssFile"]), gb(files),
+             f"{peak['VmRSS'] / files:.2f}"] if peak else ["-"] * 6)
+    return [name, peer["label"], *made, *_loaded(run), gb(run["decoded"]["VmHWM"]), f"{run['ms_per_token']:.1f}",
+            f"{run['ms_per_token'] / attnx_ms:.2f}x", "-", "-"]
+
+
+def add_peer(rows: list, entry: dict, name: str, label: str, attnx_ms: float, measure) -> None:
+    """``measure()``'s peer into the report entry and a row; a peer that fails is a row saying why, not the end
+    of a long run."""
+    try:
+        peer = measure()
+    except RuntimeError as e:
+        log(f"{name} {label}: failed: {e}")
+        entry[label] = {"failed": str(e)}
+        rows.append([name, label, f"failed: {str(e)[:100]}"] + [""] * 12)
+        return
+    entry[peer["label"]] = peer
+    rows.append(peer_row(name, peer, attnx_ms))
 
 
 def fits(name: str, weights: str, workdir: Path, folder_ready: bool) -> str | None:
@@ -306,8 +347,12 @@ def main() -> None:
                                                                 "folder under the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the folders and exports")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of the decode measurement")
-    ap.add_argument("--peers", action="store_true", help="llama.cpp Q4_0/Q8_0 of the same weights beside attnx")
-    ap.add_argument("--no-setup", action="store_true", help="with --peers: never build llama-cpp-python's venv")
+    ap.add_argument("--peers", nargs="*", choices=PEERS, default=None,
+                    help="beside attnx (alone: all): llama.cpp Q4_0/Q8_0 of the same weights, onnxruntime-genai's "
+                         "builder int4 (and genai on attnx's fp32 export)")
+    ap.add_argument("--here", nargs="*", choices=PEERS, default=[],
+                    help="run these peers from this venv where it has their package (no venv to build)")
+    ap.add_argument("--no-setup", action="store_true", help="with --peers: never build a peer's venv")
     ap.add_argument("--report", type=Path, help="also write every figure as JSON here")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
@@ -315,12 +360,14 @@ def main() -> None:
     bad = [s for s in shapes if s not in SHAPES] + [w for w in weights if w not in WEIGHTS]
     if bad:
         ap.error(f"unknown shape/weights {bad}; shapes: {', '.join(SHAPES)}; weights: {', '.join(WEIGHTS)}")
-    llama_python = None
-    if args.peers:
+    peers = list(PEERS) if args.peers == [] else args.peers or []
+    pythons: dict[str, Path] = {}
+    if peers:
         sys.path.insert(0, str(HERE))
         from bench_decode import VENVS, peer_python
 
-        llama_python = peer_python("llama-cpp", VENVS, setup=not args.no_setup)
+        pythons = {p: peer_python(p, VENVS, setup=not args.no_setup, here=p in args.here) for p in peers}
+    llama_python, genai_python = pythons.get("llama-cpp"), pythons.get("genai")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="attnx-sizes-"))
     workdir.mkdir(parents=True, exist_ok=True)
     rows, report = [], []
@@ -332,7 +379,7 @@ def main() -> None:
             if why:
                 log(f"{name} {w}: skipped: {why}")
                 report.append({"shape": name, "weights": w, "skipped": why})
-                rows.append([name, w, "skipped: " + why] + [""] * 11)
+                rows.append([name, w, "skipped: " + why] + [""] * 12)
                 continue
             if not ready:
                 log(f"{name}: writing a random bf16 folder ({parameters(SHAPES[name]) / 1e9:.2f}B parameters) "
@@ -352,32 +399,41 @@ def main() -> None:
             peak, files = ex["peak"], ex["files_bytes"]
             rows.append([name, w, f"{ex['wall_s']:.0f}", gb(peak["VmRSS"]), gb(peak["RssAnon"]), gb(peak["RssFile"]),
                          gb(files), f"{peak['VmRSS'] / files:.2f}", *_loaded(run),
-                         gb(run["decoded"]["VmHWM"]), f"{run['ms_per_token']:.1f}",
+                         gb(run["decoded"]["VmHWM"]), f"{run['ms_per_token']:.1f}", "1.00x",
                          f"{run['kv_token_bytes']:,}" if run.get("kv_token_bytes") else "-",
                          f"{gb(run['kv_bytes'])} @{run['kv_positions']}" if run.get("kv_bytes") else "-"])
+            if genai_python is not None and w == "fp32":  # genai on attnx's own export (its genai_config.json)
+                log(f"{name} fp32: onnxruntime-genai on attnx's export ...")
+                add_peer(rows, entry, name, "genai on attnx fp32", run["ms_per_token"], lambda: {
+                    "label": "genai on attnx fp32", "run": load_and_decode(out, args.threads, "genai", genai_python)})
             if not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
             if llama_python is not None and w != "fp32":
                 log(f"{name} {w}: llama.cpp ...")
-                peer = gguf_peer(folder, workdir / f"llama-{name}-{w}-gguf", w, llama_python, args.threads)
-                entry["llama.cpp"] = peer
-                prun, ppeak = peer["run"], peer["peak"]
-                rows.append([name, f"llama.cpp {peer['qtype']}", f"{peer['wall_s']:.0f}", gb(ppeak["VmRSS"]),
-                             gb(ppeak["RssAnon"]), gb(ppeak["RssFile"]), gb(peer["files_bytes"]),
-                             f"{ppeak['VmRSS'] / peer['files_bytes']:.2f}", *_loaded(prun),
-                             gb(prun["decoded"]["VmHWM"]), f"{prun['ms_per_token']:.1f}", "-", "-"])
+                add_peer(rows, entry, name, "llama.cpp", run["ms_per_token"], lambda: gguf_peer(
+                    folder, workdir / f"llama-{name}-{w}-gguf", w, llama_python, args.threads))
                 if not args.keep:
                     shutil.rmtree(workdir / f"llama-{name}-{w}-gguf", ignore_errors=True)
+            if genai_python is not None and w == "int4":
+                log(f"{name} int4: onnxruntime-genai's builder ...")
+                add_peer(rows, entry, name, "genai int4", run["ms_per_token"], lambda: genai_peer(
+                    folder, workdir / f"llama-{name}-genai", genai_python, args.threads))
+                if not args.keep:
+                    shutil.rmtree(workdir / f"llama-{name}-genai", ignore_errors=True)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     sys.path.insert(0, str(HERE))
     from _common import print_table
 
     print_table(["shape", "weights", "export s", "peak RSS GB", "peak anon", "peak file", "files GB", "peak/files",
-                 "load +RSS GB", "anon/file", "run HWM GB", "ms/token", "KV B/token", "KV GB @positions"], rows)
-    print(f"\nthreads {args.threads}; decode: 16 greedy tokens after 8 random prompt ids; workdir {workdir}"
+                 "load +RSS GB", "anon/file", "run HWM GB", "ms/token", "/ attnx", "KV B/token", "KV GB @positions"],
+                rows)
+    print(f"\nthreads {args.threads}; decode: 16 greedy tokens after 8 random prompt ids; '/ attnx': ms/token over "
+          f"attnx's at the same bits (< 1: faster than attnx); workdir {workdir}"
           + ("; llama.cpp rows: 'export' is writing the GGUF (_sizes_gguf.py), its KV cache preallocated at n_ctx 512"
-             if llama_python is not None else ""))
+             if llama_python is not None else "")
+          + ("; genai rows: 'export' is its builder (-p int4 -e cpu), 'genai on attnx fp32' runs attnx's own file"
+             if genai_python is not None else ""))
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
     if not args.keep and args.workdir is None:

@@ -4,14 +4,16 @@ builder writes, and the embedding's ``Gather`` becomes ``GatherBlockQuantized``.
 
     attnx export --from-pretrained DIR --with-past --weights int4     # or int8
 
-``W [K, N]`` is stored per output column in blocks of :data:`BLOCK_SIZE` along ``K``, one fp32 scale per block,
+``W [K, N]`` is stored per output column in blocks along ``K`` (:data:`BLOCK_SIZE`; int4 :data:`INT4_BLOCK_SIZE`
+where that divides every ``K``: :func:`block_size_for`; ``--block-size`` chooses), one fp32 scale per block,
 round to nearest, nothing calibrated (so any placed variant works: its custom ops and their function bodies are
 not touched, only top-level MatMuls with a constant weight are):
 
 - ``int8``: asymmetric blocks, ``q = round(w / scale) + zero_point`` with a uint8 zero point per block.
 - ``int4``: symmetric 4-bit blocks (no zero points) for every projection but the lm_head (the MatMul whose
   result is the output ``logits``, :func:`lm_head`), which is stored as the int8 blocks above
-  (:data:`LM_HEAD_BITS`); llama.cpp also keeps the output matrix at more bits for its 4-bit types.
+  (:data:`LM_HEAD_BITS`; ``--lm-head-bits 4`` stores it as the projections, as onnxruntime-genai's int4 and GGUF's
+  ``--pure`` Q4_0 do); llama.cpp's own 4-bit types also keep the output matrix at more bits.
 
 Why, measured on SmolLM2-135M (perplexity over 256 tokens, against fp32): int8 symmetric +1.5%, asymmetric +0.6%
 at the same speed; int4 with a 4-bit lm_head +14.4%, with the int8 one +8.4% for ~12% more decode time (still
@@ -49,8 +51,12 @@ import onnx_ir as ir
 
 #: Weight bits ``--weights`` offers, by name.
 WEIGHTS = {"int4": 4, "int8": 8}
-#: Elements of ``K`` that share one scale (onnxruntime-genai's CPU int4 default).
+#: Elements of ``K`` that share one scale (onnxruntime-genai's CPU int4 default, GGUF's Q4_0 / Q8_0).
 BLOCK_SIZE = 32
+#: An int4 export's blocks where they divide every weight's ``K`` and no weight carries a source's own 4-bit
+#: blocks (:func:`block_size_for`): on SmolLM2-135M 0.83x block 32's decode time, a 9% smaller file, perplexity
+#: +7.4% against fp32 where 32 gives +8.2% (docs/performance.md, issue 48).
+INT4_BLOCK_SIZE = 64
 #: MatMulNBits' ``accuracy_level``: 4 = int8 compute (the CPU kernel's fast path).
 ACCURACY_LEVEL = 4
 #: Bits of the lm_head of an ``int4`` export (asymmetric blocks, as ``int8``'s).
@@ -319,17 +325,42 @@ def _embedding_gather(table: ir.Value) -> ir.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def quantize_graph(model: ir.Model, bits: int, block_size: int = BLOCK_SIZE, lm_head_bits: int | None = None) -> dict:
+def block_size_for(graph: ir.Graph, bits: int) -> int:
+    """The default blocks: int4 :data:`INT4_BLOCK_SIZE` where they divide the ``K`` of every constant weight a
+    MatMul or the embedding reads (whole blocks: no padding, and the tied table stays shared with the Gather) and
+    no weight holds a source's own 4-bit blocks (GGUF Q4_0, carried as they are at 32); else :data:`BLOCK_SIZE`."""
+    if bits != 4:
+        return BLOCK_SIZE
+    for node in graph:
+        if not _onnx(node, "MatMul") and not _onnx(node, "Gather") or len(node.inputs) != 2:
+            continue
+        w = node.inputs[1] if node.op_type == "MatMul" else node.inputs[0]
+        t = w.producer() if w is not None else None
+        transposed = _onnx(t, "Transpose") and t is not None
+        value = t.inputs[0] if transposed and t is not None else w
+        tensor = value.const_value if value is not None else None
+        if tensor is None or len(tensor.shape) != 2:
+            continue
+        k = tensor.shape[1] if transposed or node.op_type == "Gather" else tensor.shape[0]
+        carries = any(getattr(tensor, f"{p}_bits", None) == bits for p in ("attnx_blocks", "attnx_transposed_blocks"))
+        if int(k) % INT4_BLOCK_SIZE or carries:
+            return BLOCK_SIZE
+    return INT4_BLOCK_SIZE
+
+
+def quantize_graph(model: ir.Model, bits: int, block_size: int | None = None, lm_head_bits: int | None = None) -> dict:
     """Every top-level ``MatMul`` with a constant 2-D fp32 weight -> ``MatMulNBits``, the embedding ``Gather``
     -> ``GatherBlockQuantized`` (see the module doc), in place; returns the metadata's ``quantization``.
-    ``lm_head_bits``: the lm_head's (default :data:`LM_HEAD_BITS` in an int4 export, else ``bits``); at the
-    projections' bits it is stored as they are (int4: symmetric)."""
+    ``block_size``: elements of ``K`` per scale (default :func:`block_size_for`). ``lm_head_bits``: the lm_head's
+    (default :data:`LM_HEAD_BITS` in an int4 export, else ``bits``); at the projections' bits it is stored as they
+    are (int4: symmetric)."""
     from attnx.export.graph import remove_dead
 
     if bits not in WEIGHTS.values():
         raise ValueError(f"weight-only quantization takes 4 or 8 bits, got {bits}")
     if lm_head_bits not in (None, *WEIGHTS.values()):
         raise ValueError(f"the lm_head takes 4 or 8 bits, got {lm_head_bits}")
+    block_size = block_size or block_size_for(model.graph, bits)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of 2 >= 16, got {block_size}")
     graph = model.graph
@@ -402,7 +433,7 @@ def quantize_graph(model: ir.Model, bits: int, block_size: int = BLOCK_SIZE, lm_
     return quantization
 
 
-def quantize_weights(src, dst, bits: int, block_size: int = BLOCK_SIZE) -> int:
+def quantize_weights(src, dst, bits: int, block_size: int | None = None) -> int:
     """Quantize the fp32 ONNX file ``src`` into ``dst`` (:func:`quantize_graph`; its weights memory-mapped, each
     quantized as it is written); returns how many MatMuls became MatMulNBits."""
     from attnx.contract import ModelInfo

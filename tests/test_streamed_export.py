@@ -22,6 +22,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from attnx.contract import ModelInfo
+
 #: A Llama shape whose fp32 weights (253M parameters, 1.01 GB) dwarf what a streamed export holds at once (its
 #: largest tensor, the 32000 x 2048 embedding, is 262 MB in fp32) and whose graph is small (2 layers).
 BIG = dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
@@ -202,10 +204,12 @@ def test_int4_export_of_a_decoder_peaks_far_below_its_fp32_weights(tmp_path):
               for t in onnx.load(str(out), load_external_data=False).graph.initializer
               if t.name.endswith(("lm_head.weight_Q8", "embed_tokens.weight_Q4", "layers.1.mlp.down_proj.weight_Q4"))}
     source = SafetensorsSource(sorted(folder.glob("*.safetensors")))
+    block = ModelInfo.read(out).quantization["block_size"]
+    assert block == 64  # int4's default where blocks of 64 divide every K (2048, 8192)
     for name, array in stored.items():
         bits = 8 if name.endswith("_Q8") else 4
         whole = source.read(name.removeprefix("model.hf.").removesuffix(f"_Q{bits}"))
-        assert array.tobytes() == quantize_rows(whole, bits, symmetric=bits == 4)[0].tobytes(), name
+        assert array.tobytes() == quantize_rows(whole, bits, symmetric=bits == 4, block_size=block)[0].tobytes(), name
     assert len(stored) == 3
     # ... and the file is the model: logits near transformers' fp32 ones within int4's error on these weights
     # (measured: max |d| 0.71 of the largest logit, correlation 0.72; int8 blocks of the same file 0.05 / 0.999:

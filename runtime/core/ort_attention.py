@@ -160,6 +160,44 @@ def grouped_query_attention(graph: ir.Graph) -> int:
     return done
 
 
+def padding_bias(graph: ir.Graph) -> bool:
+    """Where every reader of the attention's mask is a ``GroupQueryAttention`` (causal by itself, from each row's
+    cache length), the mask the graph computes (``attention_mask`` and causality, ~40 small nodes run every step)
+    becomes the padding alone: ``attention_mask == 0`` -> the lowest float32, 0 elsewhere, ``[batch, 1, new,
+    slots]``. False, and the graph unchanged, where anything else reads it."""
+    mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+    ids = next((v for v in graph.inputs if v.name == "input_ids"), None)
+    gqa = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS]
+    biases = {id(n.inputs[10]): n.inputs[10] for n in gqa if len(n.inputs) > 10 and n.inputs[10] is not None}
+    if mask is None or ids is None or not gqa or len(biases) != 1:
+        return False
+    (bias,) = biases.values()
+    if bias.is_graph_input() or bias.is_graph_output() or \
+            any(u.node.op_type != "GroupQueryAttention" or u.node.domain != MS for u in bias.uses()):
+        return False
+
+    def constant(name: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=name, const_value=ir.tensor(array, name=name), shape=ir.Shape(array.shape),
+                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)))
+        graph.register_initializer(value)
+        return value
+
+    padded = ir.node("Equal", [mask, constant("padding__zero", np.array(0, np.int64))])
+    lowest = constant("padding__lowest", np.array(np.finfo(np.float32).min, np.float32))
+    added = ir.node("Where", [padded.outputs[0], lowest, constant("padding__none", np.array(0, np.float32))])
+    rows = ir.node("Unsqueeze", [added.outputs[0], constant("padding__axes", np.array([1, 2], np.int64))])
+    dims = [ir.node("Shape", [ids], {"start": 0, "end": 1}), ir.node("Shape", [ids], {"start": 1, "end": 2}),
+            ir.node("Shape", [mask], {"start": 1, "end": 2})]
+    shape = ir.node("Concat", [dims[0].outputs[0], constant("padding__one", np.array([1], np.int64)),
+                               dims[1].outputs[0], dims[2].outputs[0]], {"axis": 0})
+    full = ir.node("Expand", [rows.outputs[0], shape.outputs[0]])
+    graph.insert_before(gqa[0], [padded, added, rows, *dims, shape, full])
+    full.outputs[0].dtype = ir.DataType.FLOAT
+    for node in gqa:
+        node.replace_input_with(10, full.outputs[0])
+    return True
+
+
 def cache_in_place(graph: ir.Graph) -> bool:
     """Let the cache be held in place: every cached input is a ``GroupQueryAttention`` 's past (or read for its
     batch size), and where the graph reads the past's length it reads ``attention_mask`` 's length less the new
@@ -196,4 +234,4 @@ def cache_in_place(graph: ir.Graph) -> bool:
     return True
 
 
-__all__ = ["attention_with_past", "cache_in_place", "grouped_query_attention"]
+__all__ = ["attention_with_past", "cache_in_place", "grouped_query_attention", "padding_bias"]

@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from attnx.runtime.core.ort_attention import attention_with_past, cache_in_place, grouped_query_attention
+from attnx.runtime.core.ort_attention import (
+    attention_with_past, cache_in_place, grouped_query_attention, padding_bias)
 from attnx.runtime.core.ort_match import (
     HEADS_PERM, MS, add_constant, const_array, drop, heads_of, is_op, like, other_input, producer, scalar, single_consumer,
     take_over)
@@ -94,8 +95,8 @@ def rms_norms(graph: ir.Graph) -> dict[str, int]:
         if residual:
             fused = ir.node("SkipSimplifiedLayerNormalization", [add.inputs[0], add.inputs[1], weight],
                             {"epsilon": eps}, domain=MS, num_outputs=4, name=f"{reduce.name}__skip_rms")
-            for extra in fused.outputs[1:3]:  # mean and 1/std: not read
-                extra.dtype = x.dtype
+            for extra in fused.outputs[1:3]:  # mean and 1/std: not read, so not computed (omitted outputs)
+                extra.name = ""
             graph.insert_before(add, [fused])
             take_over(chain[-1].outputs[0], fused.outputs[0])
             take_over(x, fused.outputs[3])  # the sum: the next residual reads it
@@ -270,6 +271,7 @@ def fuse_for_onnxruntime(model: ir.Model, max_positions: int, gqa: bool = True) 
     counts["rotary"] = rotary(graph, max_positions) if standard_23 else 0  # ops of opset 23
     counts["attention_with_past"] = attention_with_past(graph) if standard_23 else 0
     counts["grouped_query_attention"] = grouped_query_attention(graph) if gqa else 0
+    counts["padding_bias"] = int(bool(counts["grouped_query_attention"]) and padding_bias(graph))
     counts["cache_in_place"] = int(bool(counts["grouped_query_attention"]) and cache_in_place(graph))
     if counts["skip_rms_norm"] or counts["grouped_query_attention"]:
         model.opset_imports.setdefault(MS, 1)
