@@ -317,13 +317,17 @@ def test_streamed_text_equals_decoding_at_once():
 # --------------------------------------------------------------------------- step-level batching
 
 
-def test_scheduler_batches_steps_with_the_tokens_each_gets_alone():
+@pytest.mark.parametrize("heads", ["8", "16"])
+def test_scheduler_batches_steps_with_the_tokens_each_gets_alone(heads):
+    """Heads of 16: ONNX Runtime's GroupQueryAttention with the cache held in place (runtime/core/kv_in_place.py)
+    through the scheduler's joins, merges and leaves."""
     from attnx.runtime import TextModel
     from attnx.runtime.core.generate import stream
     from attnx.runtime.core.scheduler import GenerationScheduler
 
-    model = TextModel(gf.export(gf.folder("llama"), "mha"))
+    model = TextModel(gf.export(gf.folder("llama") if heads == "8" else gf.wide_heads_folder(), "mha"))
     decoder, tok = model.decoder, model.tokenizer
+    assert (decoder._in_place is not None) == (heads == "16")
     texts = ["the cat", "a dog ran in the park", "hi", "the quick brown fox jumps", "one", "two three four"]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     alone = [[p.token for p in stream(decoder, tok, tok.tokenize([t])[0].ids, params)] for t in texts]
