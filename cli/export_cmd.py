@@ -165,14 +165,14 @@ def register(app: typer.Typer) -> None:
                                                        "exact on every CPU) or 8 (more accurate; only for CPUs with "
                                                        "VNNI, AMX or ARM: AVX2 without VNNI saturates them)."),
         weights: Optional[str] = typer.Option(None, "--weights", help="With --with-past: int4 | int8 weight-only "
-                                              "quantization of the decoder's MatMul weights (ONNX Runtime's MatMulNBits: "
-                                              "int8 asymmetric, blocks of 32; int4 symmetric, blocks of 64 where they "
-                                              "divide every weight, its lm_head at 8 bits); "
+                                              "quantization of the decoder's MatMul weights (ONNX Runtime's MatMulNBits "
+                                              "in blocks of 64 where they divide every weight, else 32: int8 "
+                                              "asymmetric; int4 symmetric, its lm_head at 8 bits); "
                                               "no calibration. Decode reads ~3.5x (int8) / ~5x (int4) fewer bytes."),
         block_size: Optional[int] = typer.Option(None, "--block-size", help="With --weights: weights per block (one "
-                                                 "scale each) along K, a power of 2 >= 16 (default: int8 32; int4 64 "
-                                                 "where it divides every K and the source holds no Q4_0 blocks, else "
-                                                 "32; larger: a smaller file, faster kernels, coarser rounding)."),
+                                                 "scale each) along K, a power of 2 >= 16 (default 64 where it divides "
+                                                 "every K and the source holds no GGUF blocks of these bits, else 32; "
+                                                 "larger: a smaller file, faster kernels, coarser rounding)."),
         lm_head_bits: Optional[int] = typer.Option(None, "--lm-head-bits", help="With --weights: the lm_head's bits, "
                                                    "4 or 8 (default: 8 for int4, more accurate for ~8% more decode "
                                                    "time; 4 as onnxruntime-genai's and llama.cpp's 4-bit files)."),

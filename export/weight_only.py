@@ -4,8 +4,8 @@ builder writes, and the embedding's ``Gather`` becomes ``GatherBlockQuantized``.
 
     attnx export --from-pretrained DIR --with-past --weights int4     # or int8
 
-``W [K, N]`` is stored per output column in blocks along ``K`` (:data:`BLOCK_SIZE`; int4 :data:`INT4_BLOCK_SIZE`
-where that divides every ``K``: :func:`block_size_for`; ``--block-size`` chooses), one fp32 scale per block,
+``W [K, N]`` is stored per output column in blocks along ``K`` (:data:`LARGE_BLOCK_SIZE` where that divides every
+``K``, else :data:`BLOCK_SIZE`: :func:`block_size_for`; ``--block-size`` chooses), one fp32 scale per block,
 round to nearest, nothing calibrated (so any placed variant works: its custom ops and their function bodies are
 not touched, only top-level MatMuls with a constant weight are):
 
@@ -53,10 +53,11 @@ import onnx_ir as ir
 WEIGHTS = {"int4": 4, "int8": 8}
 #: Elements of ``K`` that share one scale (onnxruntime-genai's CPU int4 default, GGUF's Q4_0 / Q8_0).
 BLOCK_SIZE = 32
-#: An int4 export's blocks where they divide every weight's ``K`` and no weight carries a source's own 4-bit
-#: blocks (:func:`block_size_for`): on SmolLM2-135M 0.83x block 32's decode time, a 9% smaller file, perplexity
-#: +7.4% against fp32 where 32 gives +8.2% (docs/performance.md, issue 48).
-INT4_BLOCK_SIZE = 64
+#: The blocks where they divide every weight's ``K`` and no weight carries a source's own blocks at the export's
+#: bits (:func:`block_size_for`). On SmolLM2-135M against 32: int4 0.83x the decode time, a 9% smaller file,
+#: perplexity +7.4% against fp32 where 32 gives +8.2%; int8 0.95x, 7% smaller, +0.35% where 32 gives +0.68%
+#: (docs/performance.md, issue 48).
+LARGE_BLOCK_SIZE = 64
 #: MatMulNBits' ``accuracy_level``: 4 = int8 compute (the CPU kernel's fast path).
 ACCURACY_LEVEL = 4
 #: Bits of the lm_head of an ``int4`` export (asymmetric blocks, as ``int8``'s).
@@ -326,11 +327,9 @@ def _embedding_gather(table: ir.Value) -> ir.Node | None:
 
 
 def block_size_for(graph: ir.Graph, bits: int) -> int:
-    """The default blocks: int4 :data:`INT4_BLOCK_SIZE` where they divide the ``K`` of every constant weight a
-    MatMul or the embedding reads (whole blocks: no padding, and the tied table stays shared with the Gather) and
-    no weight holds a source's own 4-bit blocks (GGUF Q4_0, carried as they are at 32); else :data:`BLOCK_SIZE`."""
-    if bits != 4:
-        return BLOCK_SIZE
+    """The default blocks: :data:`LARGE_BLOCK_SIZE` where they divide the ``K`` of every constant weight a MatMul or
+    the embedding reads (whole blocks: no padding, and the tied table stays shared with the Gather) and no weight
+    holds a source's own blocks at ``bits`` (GGUF Q4_0 / Q8_0, carried as they are at 32); else :data:`BLOCK_SIZE`."""
     for node in graph:
         if not _onnx(node, "MatMul") and not _onnx(node, "Gather") or len(node.inputs) != 2:
             continue
@@ -343,9 +342,9 @@ def block_size_for(graph: ir.Graph, bits: int) -> int:
             continue
         k = tensor.shape[1] if transposed or node.op_type == "Gather" else tensor.shape[0]
         carries = any(getattr(tensor, f"{p}_bits", None) == bits for p in ("attnx_blocks", "attnx_transposed_blocks"))
-        if int(k) % INT4_BLOCK_SIZE or carries:
+        if int(k) % LARGE_BLOCK_SIZE or carries:
             return BLOCK_SIZE
-    return INT4_BLOCK_SIZE
+    return LARGE_BLOCK_SIZE
 
 
 def quantize_graph(model: ir.Model, bits: int, block_size: int | None = None, lm_head_bits: int | None = None) -> dict:
