@@ -36,7 +36,7 @@ untied). fp32 runs only where it fits (its weights x 1.2 in available memory, an
 
     python benchmarks/bench_decoder_sizes.py --shapes 135m --weights int4,int8
     python benchmarks/bench_decoder_sizes.py --shapes 135m,1.5b,3b,8b --weights int4,int8 --workdir /big/disk
-        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]]
+        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]] [--rounds 5]
 
 Folders are large (bf16: 2 bytes a parameter; the 8B shape 16 GB) and so are exports: free disk is checked
 before writing (``df``), and each export (and peer's GGUF or genai build) is removed once measured, each folder
@@ -305,6 +305,24 @@ def add_peer(rows: list, entry: dict, name: str, label: str, attnx_ms: float, me
     rows.append(peer_row(name, peer, attnx_ms))
 
 
+def interleaved(shape: str, contenders: list, rounds: int, threads: int, table: list) -> dict:
+    """Each ``(label, model, kind, python)`` decoded once a round in a fresh process, the order rotated a round;
+    rows of medians and per-round ratios to the first (attnx) into ``table``; returns the times."""
+    import statistics
+
+    times: dict[str, list[float]] = {c[0]: [] for c in contenders}
+    for r in range(rounds):
+        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        for label, model, kind, python in order:
+            times[label].append(load_and_decode(model, threads, kind, python)["ms_per_token"])
+        log(f"{shape} round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items()))
+    base = times[contenders[0][0]]
+    for label, ms in times.items():
+        ratio = statistics.median(a / b for a, b in zip(ms, base))
+        table.append([shape, label, f"{statistics.median(ms):.1f}", f"{ratio:.2f}x", " ".join(f"{m:.1f}" for m in ms)])
+    return times
+
+
 def fits(name: str, weights: str, workdir: Path, folder_ready: bool) -> str | None:
     """Why this run cannot be made here (disk, or for fp32 memory), or None."""
     params = parameters(SHAPES[name])
@@ -354,6 +372,9 @@ def main() -> None:
                     help="run these peers from this venv where it has their package (no venv to build)")
     ap.add_argument("--no-setup", action="store_true", help="with --peers: never build a peer's venv")
     ap.add_argument("--report", type=Path, help="also write every figure as JSON here")
+    ap.add_argument("--rounds", type=int, default=1, help="then decode every contender of a shape and bits again in "
+                    "this many interleaved rounds (fresh processes, order rotated), for the medians and per-round "
+                    "ratios (the single runs above move with the machine)")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     weights = [w for w in args.weights.split(",") if w]
@@ -370,7 +391,7 @@ def main() -> None:
     llama_python, genai_python = pythons.get("llama-cpp"), pythons.get("genai")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="attnx-sizes-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    rows, report = [], []
+    rows, report, rounds_rows = [], [], []
     for name in shapes:
         folder = workdir / f"llama-{name}-bf16"
         ready = (folder / "config.json").is_file()
@@ -406,20 +427,24 @@ def main() -> None:
                 log(f"{name} fp32: onnxruntime-genai on attnx's export ...")
                 add_peer(rows, entry, name, "genai on attnx fp32", run["ms_per_token"], lambda: {
                     "label": "genai on attnx fp32", "run": load_and_decode(out, args.threads, "genai", genai_python)})
-            if not args.keep:
-                shutil.rmtree(out, ignore_errors=True)
+            contenders = [(f"attnx {w}", out / "model.onnx", "attnx", sys.executable)]
             if llama_python is not None and w != "fp32":
                 log(f"{name} {w}: llama.cpp ...")
                 add_peer(rows, entry, name, "llama.cpp", run["ms_per_token"], lambda: gguf_peer(
                     folder, workdir / f"llama-{name}-{w}-gguf", w, llama_python, args.threads))
-                if not args.keep:
-                    shutil.rmtree(workdir / f"llama-{name}-{w}-gguf", ignore_errors=True)
+                gguf = workdir / f"llama-{name}-{w}-gguf" / f"model.{ {'int8': 'Q8_0', 'int4': 'Q4_0'}[w]}.gguf"
+                contenders.append((f"llama.cpp {gguf.suffixes[0][1:]}", gguf, "llama-cpp", llama_python))
             if genai_python is not None and w == "int4":
                 log(f"{name} int4: onnxruntime-genai's builder ...")
                 add_peer(rows, entry, name, "genai int4", run["ms_per_token"], lambda: genai_peer(
                     folder, workdir / f"llama-{name}-genai", genai_python, args.threads))
-                if not args.keep:
-                    shutil.rmtree(workdir / f"llama-{name}-genai", ignore_errors=True)
+                contenders.append(("genai int4", workdir / f"llama-{name}-genai" / "int4", "genai", genai_python))
+            if args.rounds > 1:
+                entry["rounds"] = interleaved(name, [c for c in contenders if c[1].exists()], args.rounds,
+                                              args.threads, rounds_rows)
+            if not args.keep:
+                for path in (out, workdir / f"llama-{name}-{w}-gguf", workdir / f"llama-{name}-genai"):
+                    shutil.rmtree(path, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     sys.path.insert(0, str(HERE))
@@ -434,6 +459,10 @@ def main() -> None:
              if llama_python is not None else "")
           + ("; genai rows: 'export' is its builder (-p int4 -e cpu), 'genai on attnx fp32' runs attnx's own file"
              if genai_python is not None else ""))
+    if rounds_rows:
+        print(f"\n{args.rounds} interleaved rounds (a fresh process per contender per round, order rotated):")
+        print_table(["shape", "contender", "median ms/token", "per-round ratio to attnx (median)", "rounds ms/token"],
+                    rounds_rows)
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
     if not args.keep and args.workdir is None:

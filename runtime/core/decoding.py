@@ -19,6 +19,8 @@ checks the addresses); on a GPU the decoder runs through ONNX Runtime's IOBindin
 (:meth:`~attnx.runtime.core.backends.onnxrt.OnnxRuntimeSession.run_keeping`): ``present.*`` stay ``OrtValue`` s on
 the device and are bound as the next step's ``past_key_values.*``, only the last position's logits cross to the
 host. Only a batch that changes (:meth:`Decoder.merge`, :meth:`Decoder.select`) brings the cache to the host.
+Where the load-time rewrite made the attention ONNX Runtime's ``GroupQueryAttention`` (CPU), the graph copies none
+either: the cache stays in buffers the kernel writes the new slots into (:mod:`attnx.runtime.core.kv_in_place`).
 
 That is the step-level batching of :mod:`attnx.runtime.core.scheduler`: a batch of rows decodes one token each
 per run, a row that finishes leaves, a request that arrives joins after its prefill.
