@@ -1,6 +1,6 @@
 """A GGUF of a Llama folder's own weights, written one tensor at a time, for ``bench_decoder_sizes.py --peers``.
 
-    python _sizes_gguf.py FOLDER OUT.gguf Q4_0|Q8_0
+    python _sizes_gguf.py FOLDER OUT.gguf Q4_0|Q8_0|F32
 
 What ``convert_hf_to_gguf.py`` + ``llama-quantize --pure`` would write, without the llama.cpp tree: the ``llama``
 architecture's metadata from config.json, the byte-level BPE of tokenizer.json (``gpt2`` model; tokens padded to the
@@ -70,13 +70,14 @@ def write_gguf(folder: Path, out: Path, qtype_name: str) -> Path:
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_rope_dimension_count(config.get("head_dim") or hidden // heads)
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype_name])
+    writer.add_file_type({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "F32": gguf.LlamaFileType.ALL_F32}[qtype_name])
     _tokenizer(writer, folder, config)
     shapes = {}
     for gname, hname, _ in tensors:
         dims = tuple(handles[hname].get_slice(hname).get_shape())
         shapes[gname] = dims
-        if len(dims) >= 2:
+        if len(dims) >= 2 and qtype != gguf.GGMLQuantizationType.F32:
             byte_shape = gguf.quant_shape_to_byte_shape(dims, qtype)
             writer.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
         else:
@@ -86,7 +87,7 @@ def write_gguf(folder: Path, out: Path, qtype_name: str) -> Path:
     writer.write_ti_data_to_file()
     for gname, hname, permute_heads in tensors:  # one tensor in memory at a time
         arr = load(hname, permute_heads)
-        writer.write_tensor_data(gguf.quants.quantize(arr, qtype) if arr.ndim >= 2 else arr)
+        writer.write_tensor_data(gguf.quants.quantize(arr, qtype) if arr.ndim >= 2 and qtype_name != "F32" else arr)
         del arr
     writer.close()
     Path(str(out) + ".part").rename(out)

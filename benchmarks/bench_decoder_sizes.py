@@ -262,7 +262,7 @@ def load_and_decode(model: Path, threads: int, kind: str = "attnx", python: Path
 
 def gguf_peer(folder: Path, out: Path, weights: str, python: Path, threads: int) -> dict:
     """llama.cpp on a GGUF of the folder's weights in the bits of ``weights``: writing it (polled), then a run."""
-    qtype = {"int8": "Q8_0", "int4": "Q4_0"}[weights]
+    qtype = {"int8": "Q8_0", "int4": "Q4_0", "fp32": "F32"}[weights]
     out.mkdir(parents=True, exist_ok=True)
     gguf = out / f"model.{qtype}.gguf"
     written = run_polled([sys.executable, str(HERE / "_sizes_gguf.py"), str(folder), str(gguf), qtype])
@@ -428,11 +428,13 @@ def main() -> None:
                 add_peer(rows, entry, name, "genai on attnx fp32", run["ms_per_token"], lambda: {
                     "label": "genai on attnx fp32", "run": load_and_decode(out, args.threads, "genai", genai_python)})
             contenders = [(f"attnx {w}", out / "model.onnx", "attnx", sys.executable)]
-            if llama_python is not None and w != "fp32":
+            if genai_python is not None and w == "fp32":
+                contenders.append(("genai on attnx fp32", out, "genai", genai_python))
+            if llama_python is not None:
                 log(f"{name} {w}: llama.cpp ...")
                 add_peer(rows, entry, name, "llama.cpp", run["ms_per_token"], lambda: gguf_peer(
                     folder, workdir / f"llama-{name}-{w}-gguf", w, llama_python, args.threads))
-                gguf = workdir / f"llama-{name}-{w}-gguf" / f"model.{ {'int8': 'Q8_0', 'int4': 'Q4_0'}[w]}.gguf"
+                gguf = workdir / f"llama-{name}-{w}-gguf" / f"model.{ {'int8': 'Q8_0', 'int4': 'Q4_0', 'fp32': 'F32'}[w]}.gguf"
                 contenders.append((f"llama.cpp {gguf.suffixes[0][1:]}", gguf, "llama-cpp", llama_python))
             if genai_python is not None and w == "int4":
                 log(f"{name} int4: onnxruntime-genai's builder ...")
