@@ -215,3 +215,18 @@ def test_other_files_and_failed_rewrites_run_as_written(pretrained_export, monke
     with pytest.warns(RuntimeWarning, match="fused operators not applied .*no such pattern"):
         session = _load(gf.export(gf.folder("llama"), "mha"), True)
     assert session.fusions == {}
+
+
+def test_prompt_logprobs_through_grouped_query_attention():
+    """The chunked prefill of prompt logprobs (several new tokens over the cache, ``logits_to_keep`` fed) on the
+    GroupQueryAttention session: every token's logprob and rank as the file as written gives them."""
+    from attnx.runtime.core.prompt_logprobs import score
+
+    path = gf.export(gf.wide_heads_folder(), "mha")
+    fused, plain = _load(path, True), _load(path, False)
+    assert fused.fusions["grouped_query_attention"] == 2
+    prompt = np.random.default_rng(5).integers(4, Decoder(plain).vocab_size, 23).tolist()
+    want, got = score(Decoder(plain), prompt, top=3, chunk=7), score(Decoder(fused), prompt, top=3, chunk=7)
+    assert want is not None and got is not None
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL, rtol=0)
+    assert got.ranks.tolist() == want.ranks.tolist()
