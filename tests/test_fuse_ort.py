@@ -230,3 +230,25 @@ def test_prompt_logprobs_through_grouped_query_attention():
     assert want is not None and got is not None
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL, rtol=0)
     assert got.ranks.tolist() == want.ranks.tolist()
+
+
+@pytest.mark.parametrize("config, causal", [
+    ({"model_type": "llama"}, True),
+    ({"sliding_window": 4096}, False),  # Mistral: the graph's mask holds the window
+    ({"sliding_window": 4096, "use_sliding_window": False}, True),  # Qwen2's default
+    ({"layer_types": ["sliding_attention", "full_attention"]}, False),
+    ({"attention_chunk_size": 8192}, False),
+])
+def test_the_mask_becomes_the_padding_alone_only_for_plain_causal_attention(config, causal):
+    """GroupQueryAttention is causal by itself, so the graph's mask may shrink to the padding; not where the
+    model's attention is also windowed or chunked (its mask says what the kernel alone would not)."""
+    import json
+
+    import onnx_ir as ir
+
+    from attnx.runtime.core.ort_fusions import causal_only
+
+    model = ir.Model(ir.Graph([], [], nodes=[]), ir_version=10)
+    model.metadata_props["attnx.config"] = json.dumps({"hf_config": config})
+    assert causal_only(model) == causal
+    assert not causal_only(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10))  # nothing said: not assumed

@@ -271,7 +271,7 @@ def fuse_for_onnxruntime(model: ir.Model, max_positions: int, gqa: bool = True) 
     counts["rotary"] = rotary(graph, max_positions) if standard_23 else 0  # ops of opset 23
     counts["attention_with_past"] = attention_with_past(graph) if standard_23 else 0
     counts["grouped_query_attention"] = grouped_query_attention(graph) if gqa else 0
-    counts["padding_bias"] = int(bool(counts["grouped_query_attention"]) and padding_bias(graph))
+    counts["padding_bias"] = int(bool(counts["grouped_query_attention"]) and causal_only(model) and padding_bias(graph))
     counts["cache_in_place"] = int(bool(counts["grouped_query_attention"]) and cache_in_place(graph))
     if counts["skip_rms_norm"] or counts["grouped_query_attention"]:
         model.opset_imports.setdefault(MS, 1)
@@ -279,6 +279,23 @@ def fuse_for_onnxruntime(model: ir.Model, max_positions: int, gqa: bool = True) 
     TopologicalSortPass()(model)
     model.metadata_props[FUSED_KEY] = ",".join(f"{k}={v}" for k, v in counts.items())
     return counts
+
+
+def causal_only(model: ir.Model) -> bool:
+    """The model's attention masks padding and the future only: no sliding window, chunked or per-layer attention
+    in its transformers config (``attnx.config``), which GroupQueryAttention's own causality would not honour
+    without the graph's mask. False where the metadata does not say."""
+    import json
+
+    try:
+        config = json.loads(model.metadata_props.get("attnx.config") or "{}").get("hf_config") or {}
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(config, dict) or not config:
+        return False
+    windowed = config.get("sliding_window") and config.get("use_sliding_window", True)
+    layers = config.get("layer_types") or []
+    return not windowed and not config.get("attention_chunk_size") and all(t == "full_attention" for t in layers)
 
 
 def _max_positions(model: ir.Model) -> int | None:
@@ -316,5 +333,5 @@ def fused_model_bytes(path: str | os.PathLike) -> tuple[bytes, dict[str, int]] |
     return ir.serde.serialize_model(model).SerializeToString(), counts
 
 
-__all__ = ["attention_with_past", "fuse_for_onnxruntime", "fused_model_bytes", "grouped_query_attention", "rms_norms", "rotary",
+__all__ = ["attention_with_past", "causal_only", "fuse_for_onnxruntime", "fused_model_bytes", "grouped_query_attention", "rms_norms", "rotary",
            "session_graph"]
