@@ -3,7 +3,9 @@
     python _sizes_worker.py KIND MODEL THREADS [OPTIONS_JSON [NEW]]
 
 Kinds: ``attnx`` (a with-past export through ``attnx.runtime.load`` + :class:`Decoder`; ``OPTIONS_JSON`` are extra
-``load`` options, e.g. ``{"arena": false}`` or ``{"extra_session_config": {"session.disable_prepacking": "1"}}``),
+``load`` options, e.g. ``{"arena": false}`` or ``{"extra_session_config": {"session.disable_prepacking": "1"}}``;
+it waits until the load's memory is in huge pages, :func:`attnx.runtime.core.process_memory.into_huge_pages`, and
+reports the bytes moved and the wait),
 ``llama-cpp`` (llama-cpp-python's ``Llama`` on a GGUF), ``genai`` (onnxruntime-genai's ``Generator`` on a folder
 with ``genai_config.json``: its builder's output, or an attnx with-past export; the threads go in through
 ``og.Config.overlay`` as the session's ``intra_op_num_threads``, inter-op 1, the file untouched). Prints one JSON
@@ -43,6 +45,13 @@ def attnx(model: str, threads: int, options: dict):
 
     decoder = Decoder(load(model, device="cpu", threads=threads, **options))
     vocab = decoder.vocab_size or 1000
+    # the steady state: the load's memory moving into huge pages in the background (process_memory) is done first
+    started = time.perf_counter()
+    huge = decoder.session.huge_pages
+    if huge is not None:
+        huge.finished.wait(120)
+    huge_pages = {"huge_pages_s": time.perf_counter() - started,
+                  "huge_pages_bytes": huge.collapsed if huge is not None else 0}
 
     def generate(ids):
         times, out = [], []
@@ -56,7 +65,7 @@ def attnx(model: str, threads: int, options: dict):
         return times
 
     footprint = decoder.kv_footprint()
-    return generate, vocab, {"kv_token_bytes": footprint.token_bytes, "kv_positions": footprint.positions,
+    return generate, vocab, {**huge_pages, "kv_token_bytes": footprint.token_bytes, "kv_positions": footprint.positions,
                              "kv_bytes": footprint.bytes(), "kv_line": footprint.describe()}
 
 

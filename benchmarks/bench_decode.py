@@ -40,7 +40,7 @@ concurrent streamed ``/v1/completions`` of N tokens each, total tokens/s, ``attn
 
     python benchmarks/bench_decode.py [--quick] [--peers llama-cpp genai ct2 transformers] [--rounds 5]
         [--attnx fp32 int8 int4] [--placed smal maw] [--attnx-export LABEL=PATH] [--llama-options flash_attn=1]
-        [--no-served] [--report decode.json]
+        [--small-pages] [--no-served] [--report decode.json]
 """
 
 from __future__ import annotations
@@ -226,6 +226,7 @@ class Contender:
     model: Path
     bits: str  # fp32 / int8 / int4 (what the quality columns compare against fp32)
     option: str = ""
+    env: dict = field(default_factory=dict)  # added to the worker's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
     rss_after_load: int = 0
     bytes: dict = field(default_factory=dict)  # _decode_bytes.weight_bytes: what a decode step reads
@@ -233,7 +234,7 @@ class Contender:
     def start(self, threads: int) -> None:
         self.proc = subprocess.Popen([str(self.python), str(HERE / "_decode_worker.py"), self.kind, str(self.model),
                                       str(threads), self.option], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, **ENV, "OMP_NUM_THREADS": str(threads)})
+                                     text=True, env={**os.environ, **ENV, "OMP_NUM_THREADS": str(threads), **self.env})
         line = self.proc.stdout.readline()
         if "ready" not in line:
             self.proc.kill()
@@ -414,6 +415,9 @@ def main() -> None:
                     help="fp32 exports with this variant placed (e.g. smal maw), compared with attnx fp32's mha")
     ap.add_argument("--attnx-export", action="append", default=[], metavar="LABEL=PATH",
                     help="a with-past export made elsewhere (LABEL fp32/int8/int4 pairs it with a GGUF when served)")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="also each attnx file with its memory in 4 KB pages (ATTNX_HUGE_PAGES=0) against the "
+                    "default's 2 MB pages")
     ap.add_argument("--gguf-types", nargs="+", default=["F32", "Q8_0", "Q4_0"])
     ap.add_argument("--llama-options", nargs="+", default=["flash_attn=1"], metavar="KEY=VALUE,...",
                     help="llama.cpp configurations: Llama keywords ('' = llama-cpp-python's defaults); each one a "
@@ -479,6 +483,9 @@ def main() -> None:
         label, _, path = item.partition("=")
         contenders.append(Contender(f"attnx {label}", "attnx", me, Path(path), label))
     exports = {c.bits: c.model for c in contenders if c.name == f"attnx {c.bits}"}  # not the placed variants
+    if args.small_pages:  # each attnx file again with its memory in 4 KB pages (process_memory.into_huge_pages)
+        contenders += [Contender(f"{c.name}, 4 KB pages", "attnx", me, c.model, c.bits, env={"ATTNX_HUGE_PAGES": "0"})
+                       for c in list(contenders) if c.kind == "attnx"]
     ggufs = {}
     if "llama-cpp" in pythons:
         ggufs = gguf_files(args.cache, pythons["transformers"], args.gguf, args.gguf_types)

@@ -36,7 +36,7 @@ untied). fp32 runs only where it fits (its weights x 1.2 in available memory, an
 
     python benchmarks/bench_decoder_sizes.py --shapes 135m --weights int4,int8
     python benchmarks/bench_decoder_sizes.py --shapes 135m,1.5b,3b,8b --weights int4,int8 --workdir /big/disk
-        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]] [--rounds 5]
+        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]] [--rounds 5 [--small-pages]]
 
 Folders are large (bf16: 2 bytes a parameter; the 8B shape 16 GB) and so are exports: free disk is checked
 before writing (``df``), and each export (and peer's GGUF or genai build) is removed once measured, each folder
@@ -251,10 +251,12 @@ def export(folder: Path, out: Path, weights: str) -> dict:
             "files": files, "files_bytes": sum(files.values())}
 
 
-def load_and_decode(model: Path, threads: int, kind: str = "attnx", python: Path | str = sys.executable) -> dict:
-    """``_sizes_worker.py KIND MODEL THREADS`` in a fresh process of ``python``: its memory and decode ms/token."""
+def load_and_decode(model: Path, threads: int, kind: str = "attnx", python: Path | str = sys.executable,
+                    env: dict | None = None) -> dict:
+    """``_sizes_worker.py KIND MODEL THREADS`` in a fresh process of ``python`` (``env`` added to its environment):
+    its memory and decode ms/token."""
     proc = subprocess.run([str(python), str(HERE / "_sizes_worker.py"), kind, str(model), str(threads)],
-                          capture_output=True, text=True, env={**os.environ, **ENV})
+                          capture_output=True, text=True, env={**os.environ, **ENV, **(env or {})})
     if proc.returncode:
         raise RuntimeError(f"{kind} on {model} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -306,15 +308,15 @@ def add_peer(rows: list, entry: dict, name: str, label: str, attnx_ms: float, me
 
 
 def interleaved(shape: str, contenders: list, rounds: int, threads: int, table: list) -> dict:
-    """Each ``(label, model, kind, python)`` decoded once a round in a fresh process, the order rotated a round;
-    rows of medians and per-round ratios to the first (attnx) into ``table``; returns the times."""
+    """Each ``(label, model, kind, python[, env])`` decoded once a round in a fresh process, the order rotated a
+    round; rows of medians and per-round ratios to the first (attnx) into ``table``; returns the times."""
     import statistics
 
     times: dict[str, list[float]] = {c[0]: [] for c in contenders}
     for r in range(rounds):
         order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
-        for label, model, kind, python in order:
-            times[label].append(load_and_decode(model, threads, kind, python)["ms_per_token"])
+        for label, model, kind, python, *env in order:
+            times[label].append(load_and_decode(model, threads, kind, python, *env)["ms_per_token"])
         log(f"{shape} round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items()))
     base = times[contenders[0][0]]
     for label, ms in times.items():
@@ -375,6 +377,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="then decode every contender of a shape and bits again in "
                     "this many interleaved rounds (fresh processes, order rotated), for the medians and per-round "
                     "ratios (the single runs above move with the machine)")
+    ap.add_argument("--small-pages", action="store_true", help="in the rounds, also each attnx file with its memory "
+                    "in 4 KB pages (ATTNX_HUGE_PAGES=0), against the default's 2 MB pages")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     weights = [w for w in args.weights.split(",") if w]
@@ -427,7 +431,10 @@ def main() -> None:
                 log(f"{name} fp32: onnxruntime-genai on attnx's export ...")
                 add_peer(rows, entry, name, "genai on attnx fp32", run["ms_per_token"], lambda: {
                     "label": "genai on attnx fp32", "run": load_and_decode(out, args.threads, "genai", genai_python)})
-            contenders = [(f"attnx {w}", out / "model.onnx", "attnx", sys.executable)]
+            contenders: list[tuple] = [(f"attnx {w}", out / "model.onnx", "attnx", sys.executable)]
+            if args.small_pages:  # the same file with its memory left in 4 KB pages (process_memory.into_huge_pages)
+                contenders.append((f"attnx {w}, 4 KB pages", out / "model.onnx", "attnx", sys.executable,
+                                   {"ATTNX_HUGE_PAGES": "0"}))
             if genai_python is not None and w == "fp32":
                 contenders.append(("genai on attnx fp32", out, "genai", genai_python))
             if llama_python is not None:

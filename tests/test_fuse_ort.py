@@ -253,3 +253,33 @@ def test_the_mask_becomes_the_padding_alone_only_for_plain_causal_attention(conf
     model.metadata_props["attnx.config"] = json.dumps({"hf_config": config})
     assert causal_only(model) == causal
     assert not causal_only(ir.Model(ir.Graph([], [], nodes=[]), ir_version=10))  # nothing said: not assumed
+
+
+@pytest.mark.parametrize("folder, fused", [("llama", False), ("llama", True), ("wide", True)])
+def test_a_long_prompt_is_prefilled_in_runs_over_the_cache(folder, fused, monkeypatch):
+    """``Decoder.start`` prefills a prompt longer than ``PREFILL_CHUNK`` a run at a time over the cache so far (the
+    scores ONNX Runtime's attention holds stay [heads, chunk, tokens]): the next token's logits, and the greedy
+    tokens after them, as one run of the whole prompt gives them (the file as written, its fused operators, and
+    GroupQueryAttention with the cache in place)."""
+    from attnx.runtime.core import decoding
+
+    path = gf.export(gf.wide_heads_folder() if folder == "wide" else gf.folder("llama"), "mha")
+    decoder = Decoder(_load(path, fused))
+    prompt = np.random.default_rng(7).integers(4, decoder.vocab_size, 11).tolist()
+
+    def greedy(chunk: int):
+        monkeypatch.setattr(decoding, "PREFILL_CHUNK", chunk)
+        first, state = decoder.start(prompt)
+        tokens, logits = [int(np.argmax(first))], [first]
+        for _ in range(STEPS):
+            step, state = decoder.step(state, tokens[-1:])
+            tokens.append(int(np.argmax(step[0])))
+            logits.append(step[0])
+        assert state.positions.tolist() == [len(prompt) + STEPS]
+        return tokens, np.stack(logits)
+
+    whole_tokens, whole = greedy(len(prompt))
+    for chunk in (4, 5):  # runs of 4 + 4 + 3 and 5 + 5 + 1 tokens
+        tokens, logits = greedy(chunk)
+        assert tokens == whole_tokens
+        np.testing.assert_allclose(logits, whole, atol=ATOL, rtol=0)
