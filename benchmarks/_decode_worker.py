@@ -44,8 +44,6 @@ def attnx(model: str, threads: int, option: str):
     from attnx.runtime.core.decoding import Decoder
 
     decoder = Decoder(load(model, device="cpu", threads=threads))
-    if decoder.session.huge_pages is not None:  # its memory moving into 2 MB pages in the background: done first
-        decoder.session.huge_pages.finished.wait(120)
 
     def gen(ids, n):
         logits, state = decoder.start(ids)

@@ -3,27 +3,28 @@
     python _sizes_worker.py KIND MODEL THREADS [OPTIONS_JSON [NEW]]
 
 Kinds: ``attnx`` (a with-past export through ``attnx.runtime.load`` + :class:`Decoder`; ``OPTIONS_JSON`` are extra
-``load`` options, e.g. ``{"arena": false}`` or ``{"extra_session_config": {"session.disable_prepacking": "1"}}``;
-it waits until the load's memory is in huge pages, :func:`attnx.runtime.core.process_memory.into_huge_pages`, and
-reports the bytes moved and the wait),
-``llama-cpp`` (llama-cpp-python's ``Llama`` on a GGUF), ``genai`` (onnxruntime-genai's ``Generator`` on a folder
-with ``genai_config.json``: its builder's output, or an attnx with-past export; the threads go in through
-``og.Config.overlay`` as the session's ``intra_op_num_threads``, inter-op 1, the file untouched). Prints one JSON
-object: this process's memory from ``/proc/self/status`` with its libraries imported (``start``), after loading and
-after a greedy generation (``PROMPT`` random token ids, then ``NEW`` tokens, EOS ignored; ``NEW`` defaults to 16),
-decode ms/token (median step after the first), and for attnx the KV cache it states. Imports nothing of attnx
-unless the kind is attnx (llama-cpp-python, and onnxruntime-genai where attnx's venv lacks it, live in their own
-venvs).
+``load`` options, e.g. ``{"arena": false}`` or ``{"extra_session_config": {"session.disable_prepacking": "1"}}``),
+``llama-cpp`` (llama-cpp-python's ``Llama`` on a GGUF, flash attention on:
+llama.cpp's CPU default), ``genai`` (onnxruntime-genai's ``Generator`` on a folder with ``genai_config.json``: its
+builder's output, or an attnx with-past export; the threads go in through ``og.Config.overlay`` as the session's
+``intra_op_num_threads``, inter-op 1, the file untouched). Prints one JSON object: this process's memory from
+``/proc/self/status`` with its libraries imported (``start``), after loading and after a greedy generation
+(``PROMPT`` random token ids, then ``NEW`` tokens, EOS ignored; ``NEW`` defaults to 16), decode ms/token (median
+step after the first), the prefill of a fresh ``PREFILL``-id prompt (512; the faster of two runs;
+``ATTNX_BENCH_PREFILL``, 0: none), and for attnx the KV cache it states. Imports nothing of attnx unless the kind is
+attnx (llama-cpp-python, and onnxruntime-genai where attnx's venv lacks it, live in their own venvs).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
 
 PROMPT, NEW = 8, 16
+PREFILL = int(os.environ.get("ATTNX_BENCH_PREFILL", 512))  # then a prompt of this many ids, timed alone (0: none)
 
 
 def memory() -> dict[str, int]:
@@ -45,13 +46,6 @@ def attnx(model: str, threads: int, options: dict):
 
     decoder = Decoder(load(model, device="cpu", threads=threads, **options))
     vocab = decoder.vocab_size or 1000
-    # the steady state: the load's memory moving into huge pages in the background (process_memory) is done first
-    started = time.perf_counter()
-    huge = decoder.session.huge_pages
-    if huge is not None:
-        huge.finished.wait(120)
-    huge_pages = {"huge_pages_s": time.perf_counter() - started,
-                  "huge_pages_bytes": huge.collapsed if huge is not None else 0}
 
     def generate(ids):
         times, out = [], []
@@ -64,16 +58,22 @@ def attnx(model: str, threads: int, options: dict):
             out.append(int(np.argmax(logits[0])))
         return times
 
+    def prefill(ids):
+        started = time.perf_counter()
+        decoder.start(ids)
+        return time.perf_counter() - started
+
     footprint = decoder.kv_footprint()
-    return generate, vocab, {**huge_pages, "kv_token_bytes": footprint.token_bytes, "kv_positions": footprint.positions,
+    return generate, prefill, vocab, {"kv_token_bytes": footprint.token_bytes, "kv_positions": footprint.positions,
                              "kv_bytes": footprint.bytes(), "kv_line": footprint.describe()}
 
 
 def llama_cpp(model: str, threads: int, options: dict):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=options.get("n_ctx", 512),
-                n_batch=512, verbose=False)
+    llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads,
+                n_ctx=options.get("n_ctx", PREFILL + PROMPT + NEW), n_batch=512,
+                flash_attn=options.get("flash_attn", True), verbose=False)  # on: llama.cpp's own CPU default
 
     def generate(ids):
         times, last = [], time.perf_counter()
@@ -86,7 +86,13 @@ def llama_cpp(model: str, threads: int, options: dict):
                 break
         return times
 
-    return generate, llm.n_vocab(), {}
+    def prefill(ids):
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(ids)  # the prompt in n_batch-sized runs, the last position's logits
+        return time.perf_counter() - started
+
+    return generate, prefill, llm.n_vocab(), {}
 
 
 def genai(model: str, threads: int, options: dict):
@@ -114,7 +120,15 @@ def genai(model: str, threads: int, options: dict):
                 times.append(time.perf_counter() - started)
         return times
 
-    return generate, vocab, {}
+    def prefill(ids):
+        params = og.GeneratorParams(m)
+        params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+        g = og.Generator(m, params)
+        started = time.perf_counter()
+        g.append_tokens(np.asarray(ids, np.int32))
+        return time.perf_counter() - started
+
+    return generate, prefill, vocab, {}
 
 
 def main() -> None:
@@ -130,16 +144,21 @@ def main() -> None:
         importlib.import_module(module)
     before = memory()
     started = time.perf_counter()
-    generate, vocab, extra = {"attnx": attnx, "llama-cpp": llama_cpp, "genai": genai}[kind](model, threads, options)
+    generate, prefill, vocab, extra = {"attnx": attnx, "llama-cpp": llama_cpp, "genai": genai}[kind](
+        model, threads, options)
     load_s = time.perf_counter() - started
     loaded = memory()
     import random
 
-    ids = [random.Random(0).randrange(3, vocab) for _ in range(PROMPT)]
+    rng = random.Random(0)
+    ids = [rng.randrange(3, vocab) for _ in range(PROMPT)]
     times = generate(ids)
     after = memory()
+    long_prompt = [rng.randrange(3, vocab) for _ in range(PREFILL)]
+    prefills = [prefill(long_prompt) for _ in range(2)] if PREFILL else []
     print(json.dumps({"kind": kind, "load_s": load_s, "start": before, "loaded": loaded, "decoded": after,
-                      "ms_per_token": statistics.median(times) * 1000 if times else None, **extra}), flush=True)
+                      "ms_per_token": statistics.median(times) * 1000 if times else None,
+                      "prefill_ms": min(prefills) * 1000 if prefills else None, **extra}), flush=True)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ concurrent streamed ``/v1/completions`` of N tokens each, total tokens/s, ``attn
 
     python benchmarks/bench_decode.py [--quick] [--peers llama-cpp genai ct2 transformers] [--rounds 5]
         [--attnx fp32 int8 int4] [--placed smal maw] [--attnx-export LABEL=PATH] [--llama-options flash_attn=1]
-        [--small-pages] [--no-served] [--report decode.json]
+        [--no-served] [--report decode.json]
 """
 
 from __future__ import annotations
@@ -147,12 +147,27 @@ def hf_folder(cache: Path, tf_python: Path, gguf: str | None) -> Path:
     return fp32_folder(src, cache / "hf" / model_name(src))
 
 
-def gguf_files(cache: Path, tf_python: Path, gguf: str | None, types: list[str]) -> dict[str, Path]:
+#: A ``--gguf-types`` entry made by llama.cpp's own quantizer from the F32 file (``_llama_quantize.py``:
+#: llama-quantize's defaults, the tied embedding / head in Q6_K), where the plain types put every 2-D weight in one type.
+LLAMA_QUANTIZE = "-llama-quantize"
+
+
+def gguf_files(cache: Path, tf_python: Path, gguf: str | None, types: list[str],
+               llama_python: Path | None = None) -> dict[str, Path]:
     files = {t: cache / "gguf" / f"SmolLM2-135M-Instruct.{t}.gguf" for t in types}
-    todo = [t for t, f in files.items() if not f.is_file()]
+    f32 = cache / "gguf" / "SmolLM2-135M-Instruct.F32.gguf"
+    quantized = [t for t in types if t.endswith(LLAMA_QUANTIZE) and not files[t].is_file()]
+    todo = [t for t in types if not t.endswith(LLAMA_QUANTIZE) and not files[t].is_file()]
+    if quantized and not f32.is_file() and "F32" not in todo:
+        todo.append("F32")
     if todo:
         log(f"writing GGUF {' '.join(todo)} ...")
         run([tf_python, HERE / "_decode_models.py", "gguf", cache / "gguf", gguf or "", *todo], "writing the GGUFs")
+    for t in quantized:
+        if llama_python is None:
+            raise RuntimeError(f"GGUF {t}: llama.cpp's quantizer needs the llama-cpp venv")
+        log(f"llama-quantize {t} ...")
+        run([llama_python, HERE / "_llama_quantize.py", f32, files[t], t[:-len(LLAMA_QUANTIZE)]], f"llama-quantize {t}")
     return files
 
 
@@ -226,7 +241,6 @@ class Contender:
     model: Path
     bits: str  # fp32 / int8 / int4 (what the quality columns compare against fp32)
     option: str = ""
-    env: dict = field(default_factory=dict)  # added to the worker's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
     rss_after_load: int = 0
     bytes: dict = field(default_factory=dict)  # _decode_bytes.weight_bytes: what a decode step reads
@@ -234,7 +248,7 @@ class Contender:
     def start(self, threads: int) -> None:
         self.proc = subprocess.Popen([str(self.python), str(HERE / "_decode_worker.py"), self.kind, str(self.model),
                                       str(threads), self.option], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env={**os.environ, **ENV, "OMP_NUM_THREADS": str(threads), **self.env})
+                                     text=True, env={**os.environ, **ENV, "OMP_NUM_THREADS": str(threads)})
         line = self.proc.stdout.readline()
         if "ready" not in line:
             self.proc.kill()
@@ -415,10 +429,9 @@ def main() -> None:
                     help="fp32 exports with this variant placed (e.g. smal maw), compared with attnx fp32's mha")
     ap.add_argument("--attnx-export", action="append", default=[], metavar="LABEL=PATH",
                     help="a with-past export made elsewhere (LABEL fp32/int8/int4 pairs it with a GGUF when served)")
-    ap.add_argument("--small-pages", action="store_true",
-                    help="also each attnx file with its memory in 4 KB pages (ATTNX_HUGE_PAGES=0) against the "
-                    "default's 2 MB pages")
-    ap.add_argument("--gguf-types", nargs="+", default=["F32", "Q8_0", "Q4_0"])
+    ap.add_argument("--gguf-types", nargs="+", default=["F32", "Q8_0", "Q4_0"],
+                    help=f"every 2-D weight in the type; TYPE{LLAMA_QUANTIZE}: llama.cpp's own quantizer's mix "
+                    "(e.g. Q4_0 with the head in Q6_K)")
     ap.add_argument("--llama-options", nargs="+", default=["flash_attn=1"], metavar="KEY=VALUE,...",
                     help="llama.cpp configurations: Llama keywords ('' = llama-cpp-python's defaults); each one a "
                     "contender")
@@ -483,13 +496,10 @@ def main() -> None:
         label, _, path = item.partition("=")
         contenders.append(Contender(f"attnx {label}", "attnx", me, Path(path), label))
     exports = {c.bits: c.model for c in contenders if c.name == f"attnx {c.bits}"}  # not the placed variants
-    if args.small_pages:  # each attnx file again with its memory in 4 KB pages (process_memory.into_huge_pages)
-        contenders += [Contender(f"{c.name}, 4 KB pages", "attnx", me, c.model, c.bits, env={"ATTNX_HUGE_PAGES": "0"})
-                       for c in list(contenders) if c.kind == "attnx"]
     ggufs = {}
     if "llama-cpp" in pythons:
-        ggufs = gguf_files(args.cache, pythons["transformers"], args.gguf, args.gguf_types)
-        bits = {"F32": "fp32", "F16": "fp16", "Q8_0": "int8"}
+        ggufs = gguf_files(args.cache, pythons["transformers"], args.gguf, args.gguf_types, pythons["llama-cpp"])
+        bits = {"F32": "fp32", "F16": "fp16", "Q8_0": "int8", "Q8_0" + LLAMA_QUANTIZE: "int8"}
         for t, f in ggufs.items():
             for opt in args.llama_options:  # named by its options when several are measured
                 name = f"llama.cpp {t}" + (f" {opt or 'flash_attn=0'}" if len(args.llama_options) > 1 else "")

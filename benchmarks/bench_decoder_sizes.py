@@ -17,7 +17,7 @@ to the shape's vocabulary), never the whole model in memory. Then, per ``--weigh
 same bits (int8 -> Q8_0, int4 -> Q4_0, every 2-D weight in that type as ``llama-quantize --pure`` writes it, norms
 F32), written one tensor at a time by ``_sizes_gguf.py`` (the ``gguf`` package; what ``convert_hf_to_gguf.py``
 writes, q/k permuted for llama.cpp's rotary layout: checked by reading it back with transformers' GGUF loader), its
-peak RSS and wall time polled the same way, then loaded and run by llama-cpp-python (``n_ctx`` 512, ``--threads``)
+peak RSS and wall time polled the same way, then loaded and run by llama-cpp-python (``n_ctx`` 536, ``--threads``)
 in its own venv, which ``bench_decode.py`` sets up (``~/.cache/attnx-bench/llama-cpp-venv``: pip compiles llama.cpp
 from source once, ~10+ CPU-minutes; ``--no-setup`` refuses to build a venv). onnxruntime-genai, for ``int4``: its
 builder's int4 of the same folder (``python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p int4 -e cpu -c
@@ -36,7 +36,8 @@ untied). fp32 runs only where it fits (its weights x 1.2 in available memory, an
 
     python benchmarks/bench_decoder_sizes.py --shapes 135m --weights int4,int8
     python benchmarks/bench_decoder_sizes.py --shapes 135m,1.5b,3b,8b --weights int4,int8 --workdir /big/disk
-        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]] [--rounds 5 [--small-pages]]
+        [--keep] [--threads 2] [--report sizes.json] [--peers [llama-cpp genai] [--here genai] [--no-setup]]
+        [--rounds 5 [--llama-quantize]]
 
 Folders are large (bf16: 2 bytes a parameter; the 8B shape 16 GB) and so are exports: free disk is checked
 before writing (``df``), and each export (and peer's GGUF or genai build) is removed once measured, each folder
@@ -251,12 +252,11 @@ def export(folder: Path, out: Path, weights: str) -> dict:
             "files": files, "files_bytes": sum(files.values())}
 
 
-def load_and_decode(model: Path, threads: int, kind: str = "attnx", python: Path | str = sys.executable,
-                    env: dict | None = None) -> dict:
-    """``_sizes_worker.py KIND MODEL THREADS`` in a fresh process of ``python`` (``env`` added to its environment):
-    its memory and decode ms/token."""
+def load_and_decode(model: Path, threads: int, kind: str = "attnx", python: Path | str = sys.executable) -> dict:
+    """``_sizes_worker.py KIND MODEL THREADS`` in a fresh process of ``python``: its memory, decode ms/token and
+    prefill ms."""
     proc = subprocess.run([str(python), str(HERE / "_sizes_worker.py"), kind, str(model), str(threads)],
-                          capture_output=True, text=True, env={**os.environ, **ENV, **(env or {})})
+                          capture_output=True, text=True, env={**os.environ, **ENV})
     if proc.returncode:
         raise RuntimeError(f"{kind} on {model} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -270,6 +270,21 @@ def gguf_peer(folder: Path, out: Path, weights: str, python: Path, threads: int)
     written = run_polled([sys.executable, str(HERE / "_sizes_gguf.py"), str(folder), str(gguf), qtype])
     return {"label": f"llama.cpp {qtype}", "wall_s": written["wall_s"], "peak": written["peak"],
             "files_bytes": gguf.stat().st_size, "run": load_and_decode(gguf, threads, "llama-cpp", python)}
+
+
+def llama_quantized(folder: Path, out: Path, python: Path, threads: int) -> Path:
+    """llama.cpp's own Q4_0 of the folder (``_llama_quantize.py``: llama-quantize's defaults, the head in Q6_K),
+    quantized from an F32 GGUF of it (written by ``_sizes_gguf.py`` where not there yet)."""
+    f32, q4 = out / "model.F32.gguf", out / "model.Q4_0.llama-quantize.gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    if not f32.is_file():
+        run_polled([sys.executable, str(HERE / "_sizes_gguf.py"), str(folder), str(f32), "F32"])
+    if not q4.is_file():
+        proc = subprocess.run([str(python), str(HERE / "_llama_quantize.py"), str(f32), str(q4), "Q4_0", str(threads)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"llama-quantize failed: {(proc.stderr.strip().splitlines() or ['?'])[-1][:300]}")
+    return q4
 
 
 def genai_peer(folder: Path, out: Path, python: Path, threads: int) -> dict:
@@ -308,21 +323,28 @@ def add_peer(rows: list, entry: dict, name: str, label: str, attnx_ms: float, me
 
 
 def interleaved(shape: str, contenders: list, rounds: int, threads: int, table: list) -> dict:
-    """Each ``(label, model, kind, python[, env])`` decoded once a round in a fresh process, the order rotated a
-    round; rows of medians and per-round ratios to the first (attnx) into ``table``; returns the times."""
+    """Each ``(label, model, kind, python)`` decoded and prefilled once a round in a fresh process, the order
+    rotated a round; rows of medians and per-round ratios to the first (attnx) into ``table``; returns the times."""
     import statistics
 
     times: dict[str, list[float]] = {c[0]: [] for c in contenders}
+    prefills: dict[str, list[float]] = {c[0]: [] for c in contenders}
     for r in range(rounds):
         order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
-        for label, model, kind, python, *env in order:
-            times[label].append(load_and_decode(model, threads, kind, python, *env)["ms_per_token"])
-        log(f"{shape} round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items()))
-    base = times[contenders[0][0]]
+        for label, model, kind, python in order:
+            run = load_and_decode(model, threads, kind, python)
+            times[label].append(run["ms_per_token"])
+            prefills[label].append(run.get("prefill_ms") or float("nan"))
+        log(f"{shape} round {r + 1}/{rounds}: " + ", ".join(
+            f"{k} {v[-1]:.1f} ms/token, prefill {prefills[k][-1]:.0f} ms" for k, v in times.items()))
+    base, base_prefill = times[contenders[0][0]], prefills[contenders[0][0]]
     for label, ms in times.items():
         ratio = statistics.median(a / b for a, b in zip(ms, base))
-        table.append([shape, label, f"{statistics.median(ms):.1f}", f"{ratio:.2f}x", " ".join(f"{m:.1f}" for m in ms)])
-    return times
+        pre = prefills[label]
+        pre_ratio = statistics.median(a / b for a, b in zip(pre, base_prefill))
+        table.append([shape, label, f"{statistics.median(ms):.1f}", f"{ratio:.2f}x", " ".join(f"{m:.1f}" for m in ms),
+                      f"{statistics.median(pre):.0f}", f"{pre_ratio:.2f}x", " ".join(f"{m:.0f}" for m in pre)])
+    return {"ms_per_token": times, "prefill_ms": prefills}
 
 
 def fits(name: str, weights: str, workdir: Path, folder_ready: bool) -> str | None:
@@ -374,11 +396,11 @@ def main() -> None:
                     help="run these peers from this venv where it has their package (no venv to build)")
     ap.add_argument("--no-setup", action="store_true", help="with --peers: never build a peer's venv")
     ap.add_argument("--report", type=Path, help="also write every figure as JSON here")
-    ap.add_argument("--rounds", type=int, default=1, help="then decode every contender of a shape and bits again in "
-                    "this many interleaved rounds (fresh processes, order rotated), for the medians and per-round "
-                    "ratios (the single runs above move with the machine)")
-    ap.add_argument("--small-pages", action="store_true", help="in the rounds, also each attnx file with its memory "
-                    "in 4 KB pages (ATTNX_HUGE_PAGES=0), against the default's 2 MB pages")
+    ap.add_argument("--rounds", type=int, default=1, help="then decode (and prefill 512 ids) every contender of a "
+                    "shape and bits again in this many interleaved rounds (fresh processes, order rotated), for the "
+                    "medians and per-round ratios (the single runs above move with the machine)")
+    ap.add_argument("--llama-quantize", action="store_true", help="in the int4 rounds, also llama.cpp's own Q4_0 "
+                    "(llama_model_quantize with llama-quantize's defaults: the head in Q6_K) of an F32 GGUF")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     weights = [w for w in args.weights.split(",") if w]
@@ -431,10 +453,7 @@ def main() -> None:
                 log(f"{name} fp32: onnxruntime-genai on attnx's export ...")
                 add_peer(rows, entry, name, "genai on attnx fp32", run["ms_per_token"], lambda: {
                     "label": "genai on attnx fp32", "run": load_and_decode(out, args.threads, "genai", genai_python)})
-            contenders: list[tuple] = [(f"attnx {w}", out / "model.onnx", "attnx", sys.executable)]
-            if args.small_pages:  # the same file with its memory left in 4 KB pages (process_memory.into_huge_pages)
-                contenders.append((f"attnx {w}, 4 KB pages", out / "model.onnx", "attnx", sys.executable,
-                                   {"ATTNX_HUGE_PAGES": "0"}))
+            contenders = [(f"attnx {w}", out / "model.onnx", "attnx", sys.executable)]
             if genai_python is not None and w == "fp32":
                 contenders.append(("genai on attnx fp32", out, "genai", genai_python))
             if llama_python is not None:
@@ -443,6 +462,14 @@ def main() -> None:
                     folder, workdir / f"llama-{name}-{w}-gguf", w, llama_python, args.threads))
                 gguf = workdir / f"llama-{name}-{w}-gguf" / f"model.{ {'int8': 'Q8_0', 'int4': 'Q4_0', 'fp32': 'F32'}[w]}.gguf"
                 contenders.append((f"llama.cpp {gguf.suffixes[0][1:]}", gguf, "llama-cpp", llama_python))
+            if llama_python is not None and w == "int4" and args.llama_quantize:
+                log(f"{name} int4: llama.cpp's own quantizer (Q4_0, its default mix) ...")
+                try:
+                    contenders.append(("llama.cpp Q4_0, llama-quantize", llama_quantized(
+                        folder, workdir / f"llama-{name}-fp32-gguf", llama_python, args.threads), "llama-cpp",
+                        llama_python))
+                except RuntimeError as e:
+                    log(f"  failed: {e}")
             if genai_python is not None and w == "int4":
                 log(f"{name} int4: onnxruntime-genai's builder ...")
                 add_peer(rows, entry, name, "genai int4", run["ms_per_token"], lambda: genai_peer(
@@ -452,7 +479,8 @@ def main() -> None:
                 entry["rounds"] = interleaved(name, [c for c in contenders if c[1].exists()], args.rounds,
                                               args.threads, rounds_rows)
             if not args.keep:
-                for path in (out, workdir / f"llama-{name}-{w}-gguf", workdir / f"llama-{name}-genai"):
+                for path in (out, workdir / f"llama-{name}-{w}-gguf", workdir / f"llama-{name}-genai",
+                             *([workdir / f"llama-{name}-fp32-gguf"] if args.llama_quantize else [])):
                     shutil.rmtree(path, ignore_errors=True)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
@@ -464,14 +492,14 @@ def main() -> None:
                 rows)
     print(f"\nthreads {args.threads}; decode: 16 greedy tokens after 8 random prompt ids; '/ attnx': ms/token over "
           f"attnx's at the same bits (< 1: faster than attnx); workdir {workdir}"
-          + ("; llama.cpp rows: 'export' is writing the GGUF (_sizes_gguf.py), its KV cache preallocated at n_ctx 512"
+          + ("; llama.cpp rows: 'export' is writing the GGUF (_sizes_gguf.py), its KV cache preallocated at n_ctx 536"
              if llama_python is not None else "")
           + ("; genai rows: 'export' is its builder (-p int4 -e cpu), 'genai on attnx fp32' runs attnx's own file"
              if genai_python is not None else ""))
     if rounds_rows:
         print(f"\n{args.rounds} interleaved rounds (a fresh process per contender per round, order rotated):")
-        print_table(["shape", "contender", "median ms/token", "per-round ratio to attnx (median)", "rounds ms/token"],
-                    rounds_rows)
+        print_table(["shape", "contender", "median ms/token", "per-round ratio to attnx (median)", "rounds ms/token",
+                     "prefill ms", "prefill ratio to attnx", "rounds prefill ms"], rounds_rows)
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
     if not args.keep and args.workdir is None:

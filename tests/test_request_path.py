@@ -66,9 +66,7 @@ NOT_THE_OLD_PATH = {"model_config.py": "moved from deploy/ by the layer contract
                     "ort_fusions.py": "issue 48: a with-past graph rewritten at load with ONNX Runtime's fused ops",
                     "ort_attention.py": "issue 48: the cache's attention -> GroupQueryAttention, held in place",
                     "ort_match.py": "issue 48: the rewrites' graph matching, split out of ort_fusions.py",
-                    "kv_in_place.py": "issue 48: a decoder's KV cache in buffers the attention writes into",
-                    "process_memory.py": "issue 48: a decoder's memory moved into 2 MB pages (and the pages its load "
-                                         "only read released, moved in from loading.py)"}
+                    "kv_in_place.py": "issue 48: a decoder's KV cache in buffers the attention writes into"}
 
 
 def test_runtime_modules_and_functions_stay_small():

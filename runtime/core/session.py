@@ -127,9 +127,6 @@ class Session:
     platform: str = "?"
     #: How each tensor's batch/seq axes were decided (:func:`attnx.runtime.core.axes.apply_axes`).
     axis_decisions: list = []
-    #: What :func:`attnx.runtime.load` moved into huge pages on the CPU (a
-    #: :class:`~attnx.runtime.core.process_memory.Collapsed`), or None.
-    huge_pages: Any = None
 
     # --- lookups -------------------------------------------------------------
     def input(self, name: str) -> TensorSpec:
