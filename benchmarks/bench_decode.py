@@ -23,8 +23,11 @@ Each peer in its best configuration (issue 48): llama.cpp with ``n_threads`` = `
 native build (the instruction set of the CPU it is compiled on), and flash attention ON (``--llama-options flash_attn=1``:
 llama.cpp's own default on CPU; llama-cpp-python turns it off unless asked; ``--llama-options '' flash_attn=1``
 measures both); onnxruntime-genai with its builder's int4 (``-p int4 -e cpu``: block 32, ``accuracy_level`` 4, its
-fused operators) and ``intra_op_num_threads`` = ``--threads`` in the ``genai_config.json``. ``OMP_WAIT_POLICY`` is
-PASSIVE for every worker (torch reads it, and llama.cpp's OpenMP build between its one parallel region a token).
+fused operators) and ``intra_op_num_threads`` = ``--threads`` in the ``genai_config.json``. Every worker runs with
+its OpenMP wait policy at its default (threads spin a short while, then sleep): llama.cpp's OpenMP build meets an
+``omp barrier`` after every node of its graph, and ``OMP_WAIT_POLICY=PASSIVE`` (set here before 2026-11-29, for
+torch) put its threads to sleep at each one: SmolLM2-135M Q4_0 decoded at 17-18 ms/token instead of ~4.2. An idle
+worker's spin ends within the pause between contenders (``PAUSE_S``).
 
 Measured, in interleaved rounds (rotating order; medians; ratios are per-round medians against attnx fp32):
 decode ms/token = (t(N+1 tokens) - t(1 token)) / N after a fixed short prompt; prefill = t(1 token) after a
@@ -66,7 +69,7 @@ PAUSE_S = 0.1  # between contenders: ONNX Runtime's pool threads spin a while af
 ATTNX_FLAGS = {"fp32": [], "int8": ["--weights", "int8"], "int4": ["--weights", "int4"]}
 #: the GGUF type of llama.cpp that has the bits of each attnx precision (served side by side)
 SAME_BITS = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_0"}
-ENV = {"HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def log(msg: str) -> None:

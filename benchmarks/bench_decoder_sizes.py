@@ -29,6 +29,11 @@ over attnx's at the same bits (``/ attnx``). genai runs from its venv (``bench_d
 ``~/.cache/attnx-bench/genai-venv``), or with ``--here genai`` from this one where it has ``onnxruntime-genai`` (as
 ``bench_decode.py --here genai``).
 
+``--rounds N`` then runs every contender of a shape and bits again, a fresh process each, N interleaved rounds
+(order rotated), decode and a 512-id prefill, with a stream-copy probe between rounds, and prints per contender the
+medians, the per-round ratios to attnx, the bytes of weights a decode step reads, the GB/s that implies and ms/token
+over the floor (bytes / the round's copy GB/s): ``bench_decode.py``'s figure of merit at the sizes people run.
+
 Shapes (published): ``135m`` SmolLM2-135M (hidden 576, 30 layers, GQA 9/3, FFN 1536, vocab 49152, tied), ``1.5b``
 (hidden 2048, 24 layers, GQA 32/8, FFN 8192, vocab 49152, tied), ``3b`` Llama-3.2-3B (hidden 3072, 28 layers, GQA
 24/8, FFN 8192, vocab 128256, tied), ``8b`` Llama-3.1-8B (hidden 4096, 32 layers, GQA 32/8, FFN 14336, vocab 128256,
@@ -324,27 +329,37 @@ def add_peer(rows: list, entry: dict, name: str, label: str, attnx_ms: float, me
 
 def interleaved(shape: str, contenders: list, rounds: int, threads: int, table: list) -> dict:
     """Each ``(label, model, kind, python)`` decoded and prefilled once a round in a fresh process, the order
-    rotated a round; rows of medians and per-round ratios to the first (attnx) into ``table``; returns the times."""
+    rotated a round, and the stream-copy probe once a round (every worker gone); rows of medians, per-round ratios
+    to the first (attnx), the weights a step reads and their distance to the floor (bytes / the round's copy GB/s,
+    ``bench_decode.py``'s figure of merit) into ``table``; returns the times."""
     import statistics
+
+    from _decode_bytes import copy_bandwidth, weight_bytes
 
     times: dict[str, list[float]] = {c[0]: [] for c in contenders}
     prefills: dict[str, list[float]] = {c[0]: [] for c in contenders}
+    read = {label: weight_bytes(kind, Path(model))["read"] for label, model, kind, _ in contenders}
+    bandwidth: list[float] = []
     for r in range(rounds):
         order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
         for label, model, kind, python in order:
             run = load_and_decode(model, threads, kind, python)
             times[label].append(run["ms_per_token"])
             prefills[label].append(run.get("prefill_ms") or float("nan"))
-        log(f"{shape} round {r + 1}/{rounds}: " + ", ".join(
+        bandwidth.append(copy_bandwidth(threads, rounds=3)["gb_s"])
+        log(f"{shape} round {r + 1}/{rounds}: copy {bandwidth[-1]:.1f} GB/s, " + ", ".join(
             f"{k} {v[-1]:.1f} ms/token, prefill {prefills[k][-1]:.0f} ms" for k, v in times.items()))
     base, base_prefill = times[contenders[0][0]], prefills[contenders[0][0]]
     for label, ms in times.items():
         ratio = statistics.median(a / b for a, b in zip(ms, base))
         pre = prefills[label]
         pre_ratio = statistics.median(a / b for a, b in zip(pre, base_prefill))
+        floor = statistics.median(m / (read[label] / g / 1e6) for m, g in zip(ms, bandwidth))
         table.append([shape, label, f"{statistics.median(ms):.1f}", f"{ratio:.2f}x", " ".join(f"{m:.1f}" for m in ms),
-                      f"{statistics.median(pre):.0f}", f"{pre_ratio:.2f}x", " ".join(f"{m:.0f}" for m in pre)])
-    return {"ms_per_token": times, "prefill_ms": prefills}
+                      f"{read[label] / 1e6:,.0f}", f"{read[label] / statistics.median(ms) / 1e6:.1f}",
+                      f"{floor:.2f}x", f"{statistics.median(pre):.0f}", f"{pre_ratio:.2f}x",
+                      " ".join(f"{m:.0f}" for m in pre)])
+    return {"ms_per_token": times, "prefill_ms": prefills, "read_bytes": read, "copy_gb_s": bandwidth}
 
 
 def fits(name: str, weights: str, workdir: Path, folder_ready: bool) -> str | None:
@@ -476,6 +491,7 @@ def main() -> None:
                     folder, workdir / f"llama-{name}-genai", genai_python, args.threads))
                 contenders.append(("genai int4", workdir / f"llama-{name}-genai" / "int4", "genai", genai_python))
             if args.rounds > 1:
+                sys.path.insert(0, str(HERE))
                 entry["rounds"] = interleaved(name, [c for c in contenders if c[1].exists()], args.rounds,
                                               args.threads, rounds_rows)
             if not args.keep:
@@ -499,7 +515,10 @@ def main() -> None:
     if rounds_rows:
         print(f"\n{args.rounds} interleaved rounds (a fresh process per contender per round, order rotated):")
         print_table(["shape", "contender", "median ms/token", "per-round ratio to attnx (median)", "rounds ms/token",
-                     "prefill ms", "prefill ratio to attnx", "rounds prefill ms"], rounds_rows)
+                     "MB read/token", "GB/s", "/ floor", "prefill ms", "prefill ratio to attnx", "rounds prefill ms"],
+                    rounds_rows)
+        print("MB read/token: the weights a decode step reads (_decode_bytes.py); GB/s: that over the median ms/token; "
+              "/ floor: ms/token over MB read / the stream-copy probe's GB/s of the same round (median over rounds)")
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
     if not args.keep and args.workdir is None:

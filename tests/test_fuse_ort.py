@@ -135,6 +135,19 @@ def test_grouped_query_attention_with_the_cache_in_place(monkeypatch):
     assert state.buffers is not None and state.buffers.capacity >= state.slots
     for name, view in state.cache.items():  # the state's cache is a view of the buffers ORT wrote
         assert np.shares_memory(view, state.buffers.arrays[name]) and view.shape[2] == state.slots
+    # a decode step writes its ids into the array bound before (no new binding) and still reads the new token
+    decoder = Decoder(fused)
+    logits, state = decoder.start(prompts[0])
+    for token in (3, 5, 3):
+        logits, state = decoder.step(state, [token])
+    held = state.buffers.bound["input_ids"]
+    logits, state = decoder.step(state, [5])
+    assert state.buffers.bound["input_ids"] is held and held[0, 0] == 5
+    plain_decoder = Decoder(plain)
+    want_logits, want_state = plain_decoder.start(prompts[0])
+    for token in (3, 5, 3, 5):
+        want_logits, want_state = plain_decoder.step(want_state, [token])
+    np.testing.assert_allclose(logits, want_logits, atol=ATOL, rtol=0)
 
 
 def test_cache_buffers_grow_by_doubling():

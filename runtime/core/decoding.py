@@ -149,7 +149,7 @@ class DecodeState:
     position (its real tokens so far) and its context inputs ``[rows, ...]``. A cached tensor is numpy, or
     on ONNX Runtime the ``OrtValue`` its last run left on its device (:meth:`host_cache` gives numpy)."""
 
-    cache: dict[str, np.ndarray]
+    cache: Mapping[str, np.ndarray]
     mask: np.ndarray
     positions: np.ndarray
     context: dict[str, np.ndarray] = field(default_factory=dict)
@@ -351,13 +351,16 @@ class Decoder:
             out[spec.name] = value
         return out
 
-    def _feeds(self, state: DecodeState, ids: np.ndarray, new_mask: np.ndarray) -> dict[str, np.ndarray]:
+    def _feeds(self, state: DecodeState, ids: np.ndarray, new_mask: np.ndarray,
+               cache: bool = True) -> dict[str, np.ndarray]:
+        """A run's inputs over ``state``; ``cache=False`` leaves the cached ones out (held in place: InPlaceKv)."""
         n = ids.shape[1]
         feeds = {self._ids.name: ids.astype(self._ids.dtype, copy=False),
                  self._mask.name: np.concatenate([state.mask, new_mask], axis=1).astype(self._mask.dtype, copy=False)}
         if self.layout.position_ids:
             feeds["position_ids"] = (state.positions[:, None] + np.arange(n, dtype=np.int64)[None]).astype(np.int64)
-        feeds.update(state.cache)
+        if cache:
+            feeds.update(state.cache)
         feeds.update(state.context)
         return feeds
 
@@ -381,7 +384,7 @@ class Decoder:
         chunk = PREFILL_CHUNK if self.session.platform == "onnxruntime_onnx" else ids.shape[1]
         for begin in range(0, ids.shape[1], chunk):
             part = ids[:, begin:begin + chunk]
-            feeds = self._feeds(state, part, np.ones_like(part))
+            feeds = self._feeds(state, part, np.ones_like(part), cache=begin == 0 or self._in_place is None)
             logits, state = self._advance(state, feeds, np.array([part.shape[1]]), validate=begin == 0)
         return logits[0], state
 
@@ -401,7 +404,7 @@ class Decoder:
     def step(self, state: DecodeState, tokens: Sequence[int]):
         """One new token per row: ``(logits [rows, vocab], the state after it)``."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
-        feeds = self._feeds(state, ids, np.ones_like(ids))
+        feeds = self._feeds(state, ids, np.ones_like(ids), cache=self._in_place is None)
         return self._advance(state, feeds, np.ones(state.rows, np.int64), validate=False)
 
     # ---- batches ---------------------------------------------------------------------------------
