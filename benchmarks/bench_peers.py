@@ -116,7 +116,9 @@ def prepare(workdir: Path) -> tuple[Path, Path, list[str]]:
 
 class Worker:
     def __init__(self, kind: str, python: Path, folder: Path, export: Path, threads: int):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+        # OpenMP's wait policy at its default, as a user runs torch (PASSIVE, set here before 2026-11-29, slows
+        # a torch worker's small ops; the pause between contenders outlasts its threads' spin)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.kind = kind
         self.proc = subprocess.Popen([str(python), str(HERE / "_peer_worker.py"), kind, str(folder), str(export),
                                       str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
